@@ -1,0 +1,49 @@
+"""shardvmc: write variational Monte Carlo code for one walker, run it on every device.
+
+Example:
+    >>> import jax, jax.numpy as jnp, shardvmc as sv
+    >>> @sv.walker_parallel
+    ... def local_energy(alpha: sv.Replicated[jax.Array], r: sv.PerWalker[jax.Array]) -> sv.Mean[jax.Array]:
+    ...     return alpha * jnp.sum(r**2)
+    >>> float(local_energy(jnp.float32(1.0), jnp.ones((16, 2, 3))))
+    6.0
+"""
+
+from ._decorator import WalkerParallel as WalkerParallel
+from ._decorator import replicated_args as replicated_args
+from ._decorator import walker_parallel as walker_parallel
+from ._errors import CallError as CallError
+from ._errors import DecorationError as DecorationError
+from ._errors import ShardvmcError as ShardvmcError
+from ._errors import UnhashableStaticError as UnhashableStaticError
+from ._kernel import PaddingWarning as PaddingWarning
+from ._markers import Mean as Mean
+from ._markers import PerWalker as PerWalker
+from ._markers import Replicated as Replicated
+from ._markers import Static as Static
+from ._markers import Sum as Sum
+from ._markers import WalkerKey as WalkerKey
+from ._mesh import create_mesh as create_mesh
+from ._mesh import get_replicated_sharding as get_replicated_sharding
+from ._mesh import get_walker_sharding as get_walker_sharding
+from ._mesh import is_multi_gpu as is_multi_gpu
+from ._mesh import n_devices as n_devices
+from ._mesh import use_mesh as use_mesh
+from ._placement import assemble_sharded as assemble_sharded
+from ._placement import gather_walkers as gather_walkers
+from ._placement import initialize_walkers_sharded as initialize_walkers_sharded
+from ._placement import pad_n_walkers as pad_n_walkers
+from ._placement import pad_walker as pad_walker
+from ._placement import replicate as replicate
+from ._placement import shard_walker as shard_walker
+from ._placement import slice_walkers as slice_walkers
+from ._reductions import jtj as jtj
+from ._reductions import jtv as jtv
+from ._reductions import walker_mean as walker_mean
+from ._reductions import walker_sum as walker_sum
+from ._vmap import get_vmap_fn as get_vmap_fn
+from ._vmap import shard_map_wrap as shard_map_wrap
+from ._vmap import shard_vmap as shard_vmap
+from ._vmap import sharded_batched_vmap as sharded_batched_vmap
+
+__version__ = "0.1.0"

@@ -1,0 +1,54 @@
+"""The two exception classes of shardvmc and the one message format they share."""
+
+from __future__ import annotations
+
+__all__ = ["CallError", "DecorationError", "ShardvmcError", "UnhashableStaticError", "message"]
+
+
+class ShardvmcError(Exception):
+    """Base class of every error shardvmc raises on purpose."""
+
+
+class DecorationError(ShardvmcError, TypeError):
+    """A function cannot be made walker-parallel as written (raised when decorating).
+
+    Raised for a parameter without a marker, a marker in the wrong place, a parameter
+    named ``n_valid``, or an annotation that cannot be resolved.
+    """
+
+
+class CallError(ShardvmcError, ValueError):
+    """The arguments of a call do not fit the walker layout (raised when calling).
+
+    Raised for walker axes of different sizes, zero walkers, ``n_valid`` out of range,
+    keys that are not keys, meshes without the walker axis, and walker counts that a
+    mesh cannot split evenly.
+    """
+
+
+class UnhashableStaticError(CallError, TypeError):
+    """A ``Static`` argument is not hashable, so it cannot key the compilation cache."""
+
+
+def message(
+    where: str,
+    problem: str,
+    *,
+    got: str | None = None,
+    expected: str | None = None,
+    fix: str | None = None,
+) -> str:
+    """Format an error message in the sections every shardvmc error uses.
+
+    Args:
+        where: the function (qualified name) or toolkit entry point concerned.
+        problem: one sentence naming the parameter or pytree path at fault.
+        got: what was received (shapes, types, mesh).
+        expected: what was expected instead.
+        fix: how to fix it.
+    """
+    lines = [f"{where}: {problem}"]
+    for label, text in (("got", got), ("expected", expected), ("fix", fix)):
+        if text is not None:
+            lines.append(f"  {label + ':':<9} {text}")
+    return "\n".join(lines)

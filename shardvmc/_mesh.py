@@ -1,0 +1,147 @@
+"""Meshes: building them, the default one, and the ``use_mesh`` context."""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from ._errors import CallError, message
+
+__all__ = [
+    "create_mesh",
+    "get_replicated_sharding",
+    "get_walker_sharding",
+    "is_multi_gpu",
+    "n_devices",
+    "resolve_mesh",
+    "use_mesh",
+]
+
+_CURRENT_MESH: contextvars.ContextVar[Mesh | None] = contextvars.ContextVar("shardvmc_mesh", default=None)
+
+
+def create_mesh(devices: Sequence[Any] | None = None, axis_name: str = "walkers") -> Mesh:
+    """Create a 1-D mesh of Auto axis type for walker-parallel sharding.
+
+    ``jax.make_mesh`` defaults to Explicit axes since JAX 0.10, under which plain
+    ``jax.vmap`` over sharded walkers fails; this builds the ``Mesh`` directly.
+
+    Args:
+        devices: the devices to span, in order. Defaults to every device of every
+            process (``jax.devices()``), so a multi-host run gets one global mesh.
+        axis_name: name of the walker axis.
+
+    Returns:
+        A ``jax.sharding.Mesh`` with one axis, ``axis_name``.
+
+    Example:
+        >>> import jax, shardvmc as sv
+        >>> mesh = sv.create_mesh(jax.devices()[:2])
+        >>> dict(mesh.shape)
+        {'walkers': 2}
+    """
+    devs = list(jax.devices() if devices is None else devices)
+    if not devs:
+        raise CallError(message("create_mesh", "no devices were given.", fix="pass at least one device."))
+    return Mesh(np.array(devs), (axis_name,), axis_types=(jax.sharding.AxisType.Auto,))
+
+
+@functools.cache
+def _default_mesh(axis_name: str) -> Mesh:
+    return create_mesh(axis_name=axis_name)
+
+
+def resolve_mesh(mesh: Mesh | None, axis_name: str = "walkers", *, where: str = "shardvmc") -> Mesh:
+    """The mesh to use: ``mesh`` if given, else the ``use_mesh`` one, else all devices.
+
+    Raises:
+        CallError: when the resolved mesh has no axis called ``axis_name``.
+    """
+    if mesh is None:
+        mesh = _CURRENT_MESH.get()
+        if mesh is None:
+            return _default_mesh(axis_name)
+    if axis_name not in mesh.shape:
+        raise CallError(
+            message(
+                where,
+                f"the mesh has no axis named {axis_name!r}.",
+                got=f"mesh axes {dict(mesh.shape)}",
+                expected=f"a mesh with a {axis_name!r} axis",
+                fix=f"build the mesh with sv.create_mesh(axis_name={axis_name!r}) or pass axis_name= one of "
+                f"{tuple(mesh.axis_names)}.",
+            )
+        )
+    return mesh
+
+
+@contextlib.contextmanager
+def use_mesh(mesh: Mesh) -> Iterator[Mesh]:
+    """Make ``mesh`` the default for every shardvmc function called with ``mesh=None``.
+
+    The setting is held in a context variable, so it is restored on exit even when an
+    exception is raised, and threads or async tasks do not see each other's meshes.
+
+    Example:
+        >>> import jax, shardvmc as sv
+        >>> with sv.use_mesh(sv.create_mesh(jax.devices()[:1])):
+        ...     x = sv.shard_walker(jax.numpy.zeros((4, 3)))
+        >>> len(x.sharding.mesh.devices)
+        1
+    """
+    token = _CURRENT_MESH.set(mesh)
+    try:
+        yield mesh
+    finally:
+        _CURRENT_MESH.reset(token)
+
+
+def n_devices() -> int:
+    """Number of devices local to this process (not the global count).
+
+    Example:
+        >>> import shardvmc as sv
+        >>> sv.n_devices() >= 1
+        True
+    """
+    return jax.local_device_count()
+
+
+def is_multi_gpu() -> bool:
+    """Whether this process has more than one local device.
+
+    Example:
+        >>> import shardvmc as sv
+        >>> sv.is_multi_gpu() == (sv.n_devices() > 1)
+        True
+    """
+    return n_devices() > 1
+
+
+def get_walker_sharding(mesh: Mesh, axis_name: str = "walkers") -> NamedSharding:
+    """``NamedSharding`` that splits the leading (walker) axis over ``axis_name``.
+
+    Example:
+        >>> import shardvmc as sv
+        >>> sv.get_walker_sharding(sv.create_mesh()).spec
+        P('walkers',)
+    """
+    return NamedSharding(mesh, PartitionSpec(axis_name))
+
+
+def get_replicated_sharding(mesh: Mesh) -> NamedSharding:
+    """``NamedSharding`` that holds a full copy on every device of ``mesh``.
+
+    Example:
+        >>> import shardvmc as sv
+        >>> sv.get_replicated_sharding(sv.create_mesh()).spec
+        P()
+    """
+    return NamedSharding(mesh, PartitionSpec())

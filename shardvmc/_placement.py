@@ -1,0 +1,389 @@
+"""Placing walkers and parameters on a mesh, padding them, and getting them back."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from . import _compat
+from ._errors import CallError, message
+from ._mesh import get_replicated_sharding, get_walker_sharding, resolve_mesh
+
+__all__ = [
+    "assemble_sharded",
+    "gather_walkers",
+    "initialize_walkers_sharded",
+    "leading_size",
+    "pad_n_walkers",
+    "pad_walker",
+    "replicate",
+    "shard_walker",
+    "slice_walkers",
+    "walker_keys",
+]
+
+_FIX_PAD = "pad first: `tree, n_valid = sv.pad_walker(tree, sv.pad_n_walkers(n, mesh_size))`, then pass n_valid= to kernels."
+
+
+def _is_scalar(x: Any) -> bool:
+    return np.ndim(x) == 0
+
+
+def leading_size(tree: Any, where: str, what: str = "walkers") -> int:
+    """The common leading size of the non-scalar leaves of ``tree``.
+
+    Raises:
+        CallError: naming the pytree paths when two leaves disagree, or when no leaf
+            has a leading axis.
+    """
+    first: tuple[str, int] | None = None
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        if _is_scalar(leaf):
+            continue
+        size = int(np.shape(leaf)[0])
+        if first is None:
+            first = (jax.tree_util.keystr(path) or "<root>", size)
+        elif size != first[1]:
+            name = jax.tree_util.keystr(path) or "<root>"
+            raise CallError(
+                message(
+                    where,
+                    f"the leaves of {what} have different leading (walker) sizes.",
+                    got=f"{first[0]} has {first[1]}, {name} has {size}",
+                    expected="every non-scalar leaf to have the walker axis first, of one size",
+                    fix="put the walker axis first in every leaf, or move per-run constants out of the walker pytree.",
+                )
+            )
+    if first is None:
+        raise CallError(
+            message(
+                where,
+                f"{what} has no array leaf with a leading walker axis.",
+                got=f"{jax.tree_util.tree_structure(tree)}",
+                fix="pass arrays of shape (n_walkers, ...).",
+            )
+        )
+    return first[1]
+
+
+def _place(leaf: Any, sharding: NamedSharding) -> jax.Array:
+    """Put one leaf onto ``sharding``; each process transfers only its own shards."""
+    if isinstance(leaf, jax.core.Tracer):
+        return jax.lax.with_sharding_constraint(leaf, sharding)
+    if isinstance(leaf, jax.Array) and (leaf.is_fully_addressable or not sharding.is_fully_addressable):
+        if leaf.is_fully_addressable and not sharding.is_fully_addressable:
+            leaf = np.asarray(leaf)
+        else:
+            return jax.device_put(leaf, sharding)
+    host = np.asarray(leaf)
+    if host.dtype == object:
+        raise TypeError(f"leaf of type {type(leaf).__name__} is not an array")
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
+def _place_tree(tree: Any, walker: NamedSharding | None, replicated: NamedSharding, where: str) -> Any:
+    def place(path: Any, leaf: Any) -> Any:
+        try:
+            return _place(leaf, replicated if walker is None or _is_scalar(leaf) else walker)
+        except TypeError as err:
+            raise CallError(
+                message(
+                    where,
+                    f"leaf {jax.tree_util.keystr(path) or '<root>'} cannot be placed on devices.",
+                    got=f"{type(leaf).__name__}: {err}",
+                    expected="arrays (numpy or jax) or numbers",
+                    fix="keep non-array data out of the pytree, or make it a Static argument.",
+                )
+            ) from None
+
+    return jax.tree_util.tree_map_with_path(place, tree)
+
+
+def shard_walker(tree: Any, mesh: Mesh | None = None, axis_name: str = "walkers") -> Any:
+    """Place a pytree of walkers with its leading axis split over the mesh.
+
+    Every non-scalar leaf is split along axis 0; scalar leaves are replicated. Host
+    (numpy) input is sliced per device, so each device (and each process) transfers
+    only its own walkers; arrays already on devices are resharded.
+
+    Args:
+        tree: any pytree whose non-scalar leaves share a leading walker axis.
+        mesh: the mesh; defaults to the ``use_mesh`` one, else all devices.
+        axis_name: the mesh axis to split over.
+
+    Returns:
+        The same pytree with ``jax.Array`` leaves sharded ``P(axis_name)``.
+
+    Raises:
+        CallError: (a ``ValueError``) naming the leaf when leading sizes differ or the
+            mesh does not divide the walker count.
+
+    Example:
+        >>> import numpy as np, shardvmc as sv
+        >>> mesh = sv.create_mesh(jax.devices()[:2])
+        >>> x = sv.shard_walker({"r": np.zeros((4, 2, 3)), "step": 0}, mesh)
+        >>> x["r"].sharding.spec, x["step"].sharding.spec
+        (P('walkers',), P())
+    """
+    mesh = resolve_mesh(mesh, axis_name, where="shard_walker")
+    size = _compat.axis_size(mesh, axis_name)
+    n = leading_size(tree, "shard_walker")
+    if n % size:
+        raise CallError(
+            message(
+                "shard_walker",
+                f"{n} walkers cannot be split evenly over the {size} devices of the {axis_name!r} axis.",
+                got=f"leading size {n}, mesh {dict(mesh.shape)}",
+                expected=f"a multiple of {size} (next: {pad_n_walkers(n, size)})",
+                fix=_FIX_PAD,
+            )
+        )
+    return _place_tree(tree, get_walker_sharding(mesh, axis_name), get_replicated_sharding(mesh), "shard_walker")
+
+
+def replicate(tree: Any, mesh: Mesh | None = None) -> Any:
+    """Place a full copy of every leaf of ``tree`` on every device of the mesh.
+
+    In a multi-process run every process must pass the same values.
+
+    Example:
+        >>> import shardvmc as sv
+        >>> p = sv.replicate({"alpha": 1.7}, sv.create_mesh())
+        >>> p["alpha"].sharding.spec
+        P()
+    """
+    mesh = resolve_mesh(mesh, mesh.axis_names[0] if mesh is not None else "walkers", where="replicate")
+    return _place_tree(tree, None, get_replicated_sharding(mesh), "replicate")
+
+
+def pad_n_walkers(n_walkers: int, n_devices: int) -> int:
+    """Smallest multiple of ``n_devices`` that is at least ``n_walkers``.
+
+    Example:
+        >>> import shardvmc as sv
+        >>> sv.pad_n_walkers(10, 4), sv.pad_n_walkers(8, 4), sv.pad_n_walkers(1, 4)
+        (12, 8, 4)
+    """
+    if n_devices < 1:
+        raise CallError(message("pad_n_walkers", f"n_devices must be at least 1, got {n_devices}."))
+    return -(-int(n_walkers) // n_devices) * n_devices
+
+
+def pad_walker(tree: Any, target_n_walkers: int) -> tuple[Any, int]:
+    """Pad every non-scalar leaf along axis 0 to ``target_n_walkers`` walkers.
+
+    The padding repeats walker 0, so padded walkers are valid inputs (no NaN from a
+    zero configuration); pass the returned count as ``n_valid=`` to kernels so they
+    never enter a statistic. Scalar leaves are left alone; numpy leaves stay numpy.
+
+    Args:
+        tree: any pytree of walkers.
+        target_n_walkers: the walker count wanted; a smaller one changes nothing.
+
+    Returns:
+        ``(padded_tree, n_original)``.
+
+    Example:
+        >>> import numpy as np, shardvmc as sv
+        >>> padded, n = sv.pad_walker({"r": np.arange(3.0)}, 4)
+        >>> padded["r"].tolist(), n
+        ([0.0, 1.0, 2.0, 0.0], 3)
+    """
+    n = leading_size(tree, "pad_walker")
+    extra = int(target_n_walkers) - n
+    if extra <= 0:
+        return tree, n
+
+    def pad(leaf: Any) -> Any:
+        if _is_scalar(leaf):
+            return leaf
+        xp = np if isinstance(leaf, np.ndarray) else jnp
+        return xp.concatenate([leaf, xp.repeat(leaf[:1], extra, axis=0)], axis=0)
+
+    return jax.tree_util.tree_map(pad, tree), n
+
+
+def slice_walkers(tree: Any, start: int, end: int) -> Any:
+    """Walkers ``start:end`` of every non-scalar leaf; scalar leaves unchanged.
+
+    Example:
+        >>> import numpy as np, shardvmc as sv
+        >>> sv.slice_walkers({"r": np.arange(5), "t": 1.0}, 1, 3)
+        {'r': array([1, 2]), 't': 1.0}
+    """
+    return jax.tree_util.tree_map(lambda x: x if _is_scalar(x) else x[start:end], tree)
+
+
+def _local_mesh_devices(mesh: Mesh) -> list[Any]:
+    me = jax.process_index()
+    return [d for d in mesh.devices.flat if d.process_index == me]
+
+
+def assemble_sharded(local_pytrees: Sequence[Any], mesh: Mesh | None = None, axis_name: str = "walkers") -> Any:
+    """Build one globally sharded pytree from one pytree per local device.
+
+    Args:
+        local_pytrees: one pytree per device of ``mesh`` that this process addresses,
+            in mesh order, each holding that device's walkers.
+        mesh: the mesh; defaults to the ``use_mesh`` one, else all devices.
+        axis_name: the walker axis of ``mesh``.
+
+    Returns:
+        A pytree of global arrays sharded ``P(axis_name)``; scalar leaves are
+        replicated (taken from the first local pytree).
+
+    Example:
+        >>> import numpy as np, shardvmc as sv
+        >>> mesh = sv.create_mesh(jax.devices()[:2])
+        >>> x = sv.assemble_sharded([np.zeros((2, 3)), np.ones((2, 3))], mesh)
+        >>> x.shape, x.sharding.spec
+        ((4, 3), P('walkers',))
+    """
+    mesh = resolve_mesh(mesh, axis_name, where="assemble_sharded")
+    devices = _local_mesh_devices(mesh)
+    if len(local_pytrees) != len(devices):
+        raise CallError(
+            message(
+                "assemble_sharded",
+                "the number of local pytrees differs from the devices this process addresses in the mesh.",
+                got=f"{len(local_pytrees)} pytrees",
+                expected=f"{len(devices)} (one per local device, in mesh order)",
+            )
+        )
+    structure = jax.tree_util.tree_structure(local_pytrees[0])
+    flat = []
+    for i, tree in enumerate(local_pytrees):
+        leaves, tree_def = jax.tree_util.tree_flatten(tree)
+        if tree_def != structure:
+            raise CallError(
+                message("assemble_sharded", f"local pytree {i} has another structure than pytree 0.",
+                        got=str(tree_def), expected=str(structure))
+            )
+        flat.append(leaves)
+    per_device = leading_size(local_pytrees[0], "assemble_sharded", "local pytree 0")
+    for i, tree in enumerate(local_pytrees[1:], 1):
+        if leading_size(tree, "assemble_sharded", f"local pytree {i}") != per_device:
+            raise CallError(
+                message("assemble_sharded", f"local pytree {i} holds another number of walkers than pytree 0.",
+                        got=f"{leading_size(tree, 'assemble_sharded')} vs {per_device}",
+                        fix="give every device the same number of walkers (pad with sv.pad_walker).")
+            )
+    walker = get_walker_sharding(mesh, axis_name)
+    replicated = get_replicated_sharding(mesh)
+    size = _compat.axis_size(mesh, axis_name)
+    out = []
+    for k, first in enumerate(flat[0]):
+        if _is_scalar(first):
+            out.append(_place(first, replicated))
+            continue
+        shards = [jax.device_put(leaves[k], d) for leaves, d in zip(flat, devices)]
+        shape = (per_device * size, *np.shape(first)[1:])
+        out.append(jax.make_array_from_single_device_arrays(shape, walker, shards))
+    return jax.tree_util.tree_unflatten(structure, out)
+
+
+def walker_keys(key: jax.Array, indices: jax.Array) -> jax.Array:
+    """One key per walker: ``fold_in(key, i)`` for each global walker index ``i``.
+
+    Depending only on the global index, not on the device, makes every random stream
+    independent of the number of devices.
+    """
+    return jax.vmap(jax.random.fold_in, in_axes=(None, 0))(key, indices)
+
+
+def initialize_walkers_sharded(
+    init_fn: Callable[[jax.Array], Any],
+    n_walkers: int,
+    mesh: Mesh | None = None,
+    *,
+    key: jax.Array | None = None,
+    initial_walkers: Any = None,
+    axis_name: str = "walkers",
+) -> Any:
+    """Create walkers on the devices that own them, reproducibly for any device count.
+
+    Walker ``i`` is ``init_fn(jax.random.fold_in(key, i))``, computed on its own
+    device inside one ``shard_map``: the full set is never built on one device, and in
+    a multi-process run each process computes only its own devices' walkers. The same
+    key gives the same walkers on 1, 3 or 8 devices.
+
+    Args:
+        init_fn: ``init_fn(key) -> one walker`` (any pytree).
+        n_walkers: the number of walkers wanted.
+        mesh: the mesh; defaults to the ``use_mesh`` one, else all devices.
+        key: a PRNG key (raw or typed). Required unless ``initial_walkers`` is given.
+        initial_walkers: a host pytree of ``n_walkers`` walkers to place instead of
+            calling ``init_fn`` (``key`` is then unused).
+        axis_name: the walker axis of ``mesh``.
+
+    Returns:
+        ``pad_n_walkers(n_walkers, mesh size)`` walkers sharded ``P(axis_name)``; the
+        first ``n_walkers`` are the requested ones (pass ``n_valid=n_walkers`` to kernels).
+
+    Example:
+        >>> import jax, shardvmc as sv
+        >>> mesh = sv.create_mesh(jax.devices()[:4])
+        >>> r = sv.initialize_walkers_sharded(lambda k: jax.random.normal(k, (2, 3)), 10, mesh,
+        ...                                   key=jax.random.key(0))
+        >>> r.shape, r.sharding.spec
+        ((12, 2, 3), P('walkers',))
+    """
+    mesh = resolve_mesh(mesh, axis_name, where="initialize_walkers_sharded")
+    size = _compat.axis_size(mesh, axis_name)
+    if int(n_walkers) < 1:
+        raise CallError(message("initialize_walkers_sharded", f"n_walkers must be at least 1, got {n_walkers}."))
+    n_pad = pad_n_walkers(n_walkers, size)
+    if initial_walkers is not None:
+        host = jax.tree_util.tree_map(np.asarray, initial_walkers)
+        n = leading_size(host, "initialize_walkers_sharded", "initial_walkers")
+        if n != n_walkers:
+            raise CallError(
+                message("initialize_walkers_sharded", "initial_walkers holds another number of walkers than n_walkers.",
+                        got=f"{n} walkers", expected=f"{n_walkers}")
+            )
+        return shard_walker(pad_walker(host, n_pad)[0], mesh, axis_name)
+    if key is None:
+        raise CallError(
+            message(
+                "initialize_walkers_sharded",
+                "no key was given (shardvmc never seeds from the clock).",
+                fix="pass key=jax.random.key(seed), or initial_walkers=.",
+            )
+        )
+    per_device = n_pad // size
+
+    def body(k: jax.Array) -> Any:
+        first = jax.lax.axis_index(axis_name) * per_device
+        return jax.vmap(init_fn)(walker_keys(k, first + jnp.arange(per_device)))
+
+    spec = PartitionSpec(axis_name)
+    kernel = _compat.shard_map(body, mesh, in_specs=PartitionSpec(), out_specs=spec)
+    return jax.jit(kernel)(key)
+
+
+def gather_walkers(tree: Any) -> Any:
+    """Bring every leaf back to the host as numpy, the full walker set on every process.
+
+    For logging and checkpoints; arrays sharded over several processes are
+    all-gathered, so call it on every process.
+
+    Example:
+        >>> import numpy as np, shardvmc as sv
+        >>> x = sv.shard_walker(np.arange(8.0), sv.create_mesh())
+        >>> type(sv.gather_walkers(x)).__name__
+        'ndarray'
+    """
+
+    def fetch(x: Any) -> Any:
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            from jax.experimental import multihost_utils
+
+            return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+        return np.asarray(jax.device_get(x))
+
+    return jax.tree_util.tree_map(fetch, tree)

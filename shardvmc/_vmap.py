@@ -1,0 +1,145 @@
+"""The functional kernels: vmap-like wrappers over the same engine as ``walker_parallel``."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import folx
+import jax
+from jax.sharding import Mesh
+
+from . import _compat
+from ._decorator import WalkerParallel
+from ._kernel import Options
+from ._markers import Kind, Layout, Param
+
+__all__ = ["get_vmap_fn", "shard_map_wrap", "shard_vmap", "sharded_batched_vmap"]
+
+AxisSpec = int | None | Sequence[int | None]
+
+
+def shard_map_wrap(fn: Callable[..., Any], mesh: Mesh, in_specs: Any, out_specs: Any) -> Callable[..., Any]:
+    """``shard_map`` with replication checking (``check_vma``) on, on any supported JAX.
+
+    ``check_vma`` is never switched off: ``folx`` runs under it. Replicated inputs whose
+    gradients are taken per walker inside ``fn`` must be cast to varying first (the
+    decorators and :func:`shard_vmap` do this for you).
+
+    Example:
+        >>> import jax, jax.numpy as jnp, shardvmc as sv
+        >>> from jax.sharding import PartitionSpec as P
+        >>> mesh = sv.create_mesh()
+        >>> f = sv.shard_map_wrap(lambda x: jax.lax.psum(x.sum(), "walkers"), mesh, P("walkers"), P())
+        >>> float(f(jnp.ones(8)))
+        8.0
+    """
+    return _compat.shard_map(fn, mesh, in_specs, out_specs)
+
+
+def _kinds(in_axes: AxisSpec, n_args: int, where: str) -> tuple[Kind, ...]:
+    axes = [in_axes] * n_args if in_axes is None or isinstance(in_axes, int) else list(in_axes)
+    if len(axes) != n_args:
+        raise ValueError(f"{where}: in_axes has {len(axes)} entries for {n_args} arguments.")
+    kinds = []
+    for i, ax in enumerate(axes):
+        if ax not in (0, None) or isinstance(ax, bool):
+            raise ValueError(
+                f"{where}: in_axes[{i}] is {ax!r}; only 0 (walker axis first) and None (replicated) are supported. "
+                "Move the walker axis first with jnp.moveaxis."
+            )
+        kinds.append(Kind.PER_WALKER if ax == 0 else Kind.REPLICATED)
+    return tuple(kinds)
+
+
+def _sharded(fn: Callable[..., Any], mesh: Mesh | None, in_axes: AxisSpec, out_axes: Any,
+             batch_size: int | None, where: str) -> Callable[..., Any]:
+    if any(ax != 0 for ax in jax.tree_util.tree_leaves(out_axes, is_leaf=lambda x: x is None)):
+        raise ValueError(f"{where}: out_axes must be 0 (per-walker outputs stay sharded), got {out_axes!r}.")
+    local = jax.vmap(fn, in_axes=in_axes) if batch_size is None else folx.batched_vmap(fn, batch_size, in_axes=in_axes)
+    by_arity: dict[int, WalkerParallel] = {}
+    options = Options(batch_size=batch_size)
+
+    @functools.wraps(fn)
+    def mapped(*args: Any) -> Any:
+        try:
+            kernel = by_arity[len(args)]
+        except KeyError:
+            kinds = _kinds(in_axes, len(args), where)
+            names = [f"arg{i}" for i in range(len(args))]
+            signature = inspect.Signature([inspect.Parameter(n, inspect.Parameter.POSITIONAL_ONLY) for n in names])
+            layout = Layout(tuple(Param(n, k) for n, k in zip(names, kinds)), Kind.PER_WALKER, signature)
+            kernel = by_arity[len(args)] = WalkerParallel(fn, layout, mesh=mesh, options=options, nested=local)
+        return kernel(*args)
+
+    return mapped
+
+
+def shard_vmap(fn: Callable[..., Any], mesh: Mesh | None = None, in_axes: AxisSpec = 0,
+               out_axes: Any = 0) -> Callable[..., Any]:
+    """``jax.vmap`` whose mapped axis is split over the devices of the mesh.
+
+    Per-walker outputs stay sharded on the walker axis (nothing is all-gathered),
+    walker counts the mesh does not divide are padded inside, and gradients taken
+    inside ``fn`` with respect to ``in_axes=None`` arguments are per walker.
+
+    Args:
+        fn: the function of one walker.
+        mesh: the mesh; ``None`` resolves it at each call.
+        in_axes: ``0`` (walker axis first) or ``None`` (replicated), for all arguments
+            or one per argument.
+        out_axes: must be ``0``.
+
+    Example:
+        >>> import jax.numpy as jnp, shardvmc as sv
+        >>> f = sv.shard_vmap(lambda w, r: w * r.sum(), in_axes=(None, 0))
+        >>> f(2.0, jnp.ones((8, 3))).sharding.spec
+        P('walkers',)
+    """
+    return _sharded(fn, mesh, in_axes, out_axes, None, "shard_vmap")
+
+
+def sharded_batched_vmap(fn: Callable[..., Any], max_batch_size: int, mesh: Mesh | None = None,
+                         in_axes: AxisSpec = 0, out_axes: Any = 0) -> Callable[..., Any]:
+    """:func:`shard_vmap` that runs ``folx.batched_vmap`` inside each device's shard.
+
+    Each device processes its walkers ``max_batch_size`` at a time, so peak memory per
+    device is bounded by ``max_batch_size`` walkers, and the result stays sharded.
+
+    Example:
+        >>> import jax.numpy as jnp, shardvmc as sv
+        >>> f = sv.sharded_batched_vmap(lambda r: (r**2).sum(), 2)
+        >>> f(jnp.ones((16, 3))).tolist()[:2]
+        [3.0, 3.0]
+    """
+    if not isinstance(max_batch_size, int) or max_batch_size < 1:
+        raise ValueError(f"sharded_batched_vmap: max_batch_size must be a positive int, got {max_batch_size!r}.")
+    return _sharded(fn, mesh, in_axes, out_axes, max_batch_size, "sharded_batched_vmap")
+
+
+def get_vmap_fn(max_vmap_batch_size: int = 0, mesh: Mesh | None = None) -> Callable[..., Callable[..., Any]]:
+    """The vmap to use, chosen as pytc chose it, with the sharding defects fixed.
+
+    With a mesh given, or several devices in total: :func:`shard_vmap`, or
+    :func:`sharded_batched_vmap` when ``max_vmap_batch_size > 0``. On one device:
+    ``jax.vmap``, or ``folx.batched_vmap`` when ``max_vmap_batch_size > 0``.
+
+    Returns:
+        ``vmap_fn(fn, in_axes=0, out_axes=0)``.
+
+    Example:
+        >>> import jax.numpy as jnp, shardvmc as sv
+        >>> vmap = sv.get_vmap_fn(4)
+        >>> vmap(lambda r: r.sum())(jnp.ones((8, 3))).shape
+        (8,)
+    """
+    sharded = mesh is not None or jax.device_count() > 1
+    if max_vmap_batch_size > 0:
+        if sharded:
+            return functools.partial(sharded_batched_vmap, max_batch_size=max_vmap_batch_size, mesh=mesh)
+        return functools.partial(folx.batched_vmap, max_batch_size=max_vmap_batch_size)
+    if sharded:
+        return functools.partial(shard_vmap, mesh=mesh)
+    return jax.vmap
