@@ -48,9 +48,9 @@ def _reducer(local: Callable[..., Any], mesh: Mesh, axis_name: str, n_args: int,
     spec = PartitionSpec(axis_name)
 
     def run(args: tuple[Any, ...], n_valid: Any) -> Any:
-        n = args[0].shape[0]
+        n = jax.tree_util.tree_leaves(args[0])[0].shape[0]
         args = tuple(pad_walker(a, pad_n_walkers(n, size))[0] for a in args)
-        n_local = args[0].shape[0] // size
+        n_local = pad_n_walkers(n, size) // size
         count = n if n_valid is None else n_valid
 
         def body(shards: tuple[Any, ...], count: Any) -> Any:
