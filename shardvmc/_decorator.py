@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import inspect
 import types
 import weakref
 from collections.abc import Callable

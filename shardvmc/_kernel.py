@@ -23,7 +23,7 @@ from . import _compat
 from ._errors import CallError, message
 from ._markers import Kind, Layout
 from ._placement import pad_n_walkers, pad_walker, walker_keys
-from ._reductions import local_valid_mask, masked_sum, mean_dtype
+from ._reductions import masked_sum, mean_dtype
 
 __all__ = ["Options", "build", "inside_kernel"]
 
@@ -59,8 +59,14 @@ def _check_inputs(qualname: str, layout: Layout, dyn: tuple[Any, ...], params: t
     for p, arg in zip(params, dyn):
         for path, leaf in jax.tree_util.tree_flatten_with_path(arg)[0]:
             if not hasattr(leaf, "shape"):
-                raise CallError(message(qualname, f"parameter {p.name!r}{jax.tree_util.keystr(path)} is not an array.",
-                                        got=type(leaf).__name__, fix="pass arrays, or mark the parameter Static."))
+                raise CallError(
+                    message(
+                        qualname,
+                        f"parameter {p.name!r}{jax.tree_util.keystr(path)} is not an array.",
+                        got=type(leaf).__name__,
+                        fix="pass arrays, or mark the parameter Static.",
+                    )
+                )
             if p.kind is Kind.KEY:
                 _check_key(qualname, p.name, leaf)
             if p.kind is not Kind.PER_WALKER:
@@ -69,7 +75,7 @@ def _check_inputs(qualname: str, layout: Layout, dyn: tuple[Any, ...], params: t
                 raise CallError(
                     message(
                         qualname,
-                        f"PerWalker parameter {p.name!r}{jax.tree_util.keystr(path)} is a scalar, without a walker axis.",
+                        f"PerWalker parameter {p.name!r}{jax.tree_util.keystr(path)} is a scalar (no walker axis).",
                         got=f"shape {tuple(leaf.shape)}",
                         fix="give it a leading walker axis, or mark the parameter Replicated.",
                     )
@@ -89,12 +95,16 @@ def _check_inputs(qualname: str, layout: Layout, dyn: tuple[Any, ...], params: t
                 )
     if first is None:
         raise CallError(
-            message(qualname, "no PerWalker argument, so the number of walkers is unknown.",
-                    fix="mark at least one parameter PerWalker[...].")
+            message(
+                qualname,
+                "no PerWalker argument, so the number of walkers is unknown.",
+                fix="mark at least one parameter PerWalker[...].",
+            )
         )
     if first[2] == 0:
-        raise CallError(message(qualname, f"PerWalker argument {first[0]} holds zero walkers.",
-                                fix="pass at least one walker."))
+        raise CallError(
+            message(qualname, f"PerWalker argument {first[0]} holds zero walkers.", fix="pass at least one walker.")
+        )
     return int(first[2])
 
 
@@ -224,8 +234,9 @@ def build(
                 return total
             return jax.tree_util.tree_map(lambda t: t.astype(mean_dtype(t.dtype)) / count, total)
 
-        kernel = _compat.shard_map(body, mesh, in_specs=(tuple(spec_of[k] for k in kinds), PartitionSpec()),
-                                   out_specs=out_specs)
+        kernel = _compat.shard_map(
+            body, mesh, in_specs=(tuple(spec_of[k] for k in kinds), PartitionSpec()), out_specs=out_specs
+        )
         out = kernel(dyn, jnp.asarray(count, jnp.int32))
         if n_pad == n:
             return out

@@ -220,7 +220,7 @@ def missing_markers_error(qualname: str, missing: list[str]) -> DecorationError:
     return DecorationError(
         message(
             qualname,
-            f"parameter(s) {', '.join(repr(m) for m in missing)} have no shardvmc marker, so their sharding is unknown.",
+            f"parameter(s) {', '.join(repr(m) for m in missing)} have no shardvmc marker: sharding unknown.",
             expected="PerWalker[...], Replicated[...], WalkerKey or Static[...] on every parameter",
             fix="annotate them, e.g. `r: PerWalker[jax.Array]`, or decorate with "
             "@sv.replicated_args('params', ...) so that the others default to PerWalker.",

@@ -27,7 +27,9 @@ __all__ = [
     "walker_keys",
 ]
 
-_FIX_PAD = "pad first: `tree, n_valid = sv.pad_walker(tree, sv.pad_n_walkers(n, mesh_size))`, then pass n_valid= to kernels."
+_FIX_PAD = (
+    "pad first: `tree, n_valid = sv.pad_walker(tree, sv.pad_n_walkers(n, mesh_size))`, then pass n_valid= to kernels."
+)
 
 
 def _is_scalar(x: Any) -> bool:
@@ -261,17 +263,24 @@ def assemble_sharded(local_pytrees: Sequence[Any], mesh: Mesh | None = None, axi
         leaves, tree_def = jax.tree_util.tree_flatten(tree)
         if tree_def != structure:
             raise CallError(
-                message("assemble_sharded", f"local pytree {i} has another structure than pytree 0.",
-                        got=str(tree_def), expected=str(structure))
+                message(
+                    "assemble_sharded",
+                    f"local pytree {i} has another structure than pytree 0.",
+                    got=str(tree_def),
+                    expected=str(structure),
+                )
             )
         flat.append(leaves)
     per_device = leading_size(local_pytrees[0], "assemble_sharded", "local pytree 0")
     for i, tree in enumerate(local_pytrees[1:], 1):
         if leading_size(tree, "assemble_sharded", f"local pytree {i}") != per_device:
             raise CallError(
-                message("assemble_sharded", f"local pytree {i} holds another number of walkers than pytree 0.",
-                        got=f"{leading_size(tree, 'assemble_sharded')} vs {per_device}",
-                        fix="give every device the same number of walkers (pad with sv.pad_walker).")
+                message(
+                    "assemble_sharded",
+                    f"local pytree {i} holds another number of walkers than pytree 0.",
+                    got=f"{leading_size(tree, 'assemble_sharded')} vs {per_device}",
+                    fix="give every device the same number of walkers (pad with sv.pad_walker).",
+                )
             )
     walker = get_walker_sharding(mesh, axis_name)
     replicated = get_replicated_sharding(mesh)
@@ -343,8 +352,12 @@ def initialize_walkers_sharded(
         n = leading_size(host, "initialize_walkers_sharded", "initial_walkers")
         if n != n_walkers:
             raise CallError(
-                message("initialize_walkers_sharded", "initial_walkers holds another number of walkers than n_walkers.",
-                        got=f"{n} walkers", expected=f"{n_walkers}")
+                message(
+                    "initialize_walkers_sharded",
+                    "initial_walkers holds another number of walkers than n_walkers.",
+                    got=f"{n} walkers",
+                    expected=f"{n_walkers}",
+                )
             )
         return shard_walker(pad_walker(host, n_pad)[0], mesh, axis_name)
     if key is None:

@@ -87,8 +87,9 @@ def _reduce(
 def check_n_valid(where: str, n_valid: Any, n_walkers: int) -> None:
     """Raise ``CallError`` unless ``n_valid`` is ``None``, traced, or in ``1..n_walkers``."""
     if n_walkers < 1:
-        raise CallError(message(where, "there are no walkers (the walker axis has size 0).",
-                                fix="pass at least one walker."))
+        raise CallError(
+            message(where, "there are no walkers (the walker axis has size 0).", fix="pass at least one walker.")
+        )
     if n_valid is None or isinstance(n_valid, jax.core.Tracer):
         return
     value = int(n_valid)
@@ -167,8 +168,9 @@ def jtj(jac: jax.Array, n_valid: Any = None, *, mesh: Mesh | None = None, axis_n
     return _reduce("jtj", _jtj_local, (jac,), n_valid, mesh, axis_name)
 
 
-def jtv(jac: jax.Array, v: jax.Array, n_valid: Any = None, *, mesh: Mesh | None = None,
-        axis_name: str = "walkers") -> jax.Array:
+def jtv(
+    jac: jax.Array, v: jax.Array, n_valid: Any = None, *, mesh: Mesh | None = None, axis_name: str = "walkers"
+) -> jax.Array:
     """``J^T v`` over the valid walkers, for ``J`` of shape ``(n_walkers, P)`` and ``v`` of ``(n_walkers,)``.
 
     The energy gradient of VMC is ``2 jtv(J - mean J, E_loc - mean E) / n``.

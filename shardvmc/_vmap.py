@@ -54,8 +54,9 @@ def _kinds(in_axes: AxisSpec, n_args: int, where: str) -> tuple[Kind, ...]:
     return tuple(kinds)
 
 
-def _sharded(fn: Callable[..., Any], mesh: Mesh | None, in_axes: AxisSpec, out_axes: Any,
-             batch_size: int | None, where: str) -> Callable[..., Any]:
+def _sharded(
+    fn: Callable[..., Any], mesh: Mesh | None, in_axes: AxisSpec, out_axes: Any, batch_size: int | None, where: str
+) -> Callable[..., Any]:
     if any(ax != 0 for ax in jax.tree_util.tree_leaves(out_axes, is_leaf=lambda x: x is None)):
         raise ValueError(f"{where}: out_axes must be 0 (per-walker outputs stay sharded), got {out_axes!r}.")
     local = jax.vmap(fn, in_axes=in_axes) if batch_size is None else folx.batched_vmap(fn, batch_size, in_axes=in_axes)
@@ -77,8 +78,9 @@ def _sharded(fn: Callable[..., Any], mesh: Mesh | None, in_axes: AxisSpec, out_a
     return mapped
 
 
-def shard_vmap(fn: Callable[..., Any], mesh: Mesh | None = None, in_axes: AxisSpec = 0,
-               out_axes: Any = 0) -> Callable[..., Any]:
+def shard_vmap(
+    fn: Callable[..., Any], mesh: Mesh | None = None, in_axes: AxisSpec = 0, out_axes: Any = 0
+) -> Callable[..., Any]:
     """``jax.vmap`` whose mapped axis is split over the devices of the mesh.
 
     Per-walker outputs stay sharded on the walker axis (nothing is all-gathered),
@@ -101,8 +103,9 @@ def shard_vmap(fn: Callable[..., Any], mesh: Mesh | None = None, in_axes: AxisSp
     return _sharded(fn, mesh, in_axes, out_axes, None, "shard_vmap")
 
 
-def sharded_batched_vmap(fn: Callable[..., Any], max_batch_size: int, mesh: Mesh | None = None,
-                         in_axes: AxisSpec = 0, out_axes: Any = 0) -> Callable[..., Any]:
+def sharded_batched_vmap(
+    fn: Callable[..., Any], max_batch_size: int, mesh: Mesh | None = None, in_axes: AxisSpec = 0, out_axes: Any = 0
+) -> Callable[..., Any]:
     """:func:`shard_vmap` that runs ``folx.batched_vmap`` inside each device's shard.
 
     Each device processes its walkers ``max_batch_size`` at a time, so peak memory per

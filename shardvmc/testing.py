@@ -17,8 +17,10 @@ def _arrays(tree: Any, where: str) -> list[tuple[str, jax.Array]]:
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
         name = jax.tree_util.keystr(path) or "<root>"
         if isinstance(leaf, jax.core.Tracer):
-            raise AssertionError(f"{where}: leaf {name} is a tracer; shardings can only be checked on concrete arrays "
-                                 "(call it outside jit).")
+            raise AssertionError(
+                f"{where}: leaf {name} is a tracer; shardings can only be checked on concrete arrays "
+                "(call it outside jit)."
+            )
         if not isinstance(leaf, jax.Array):
             raise AssertionError(f"{where}: leaf {name} is a {type(leaf).__name__}, not a jax.Array on devices.")
         out.append((name, leaf))
