@@ -9,6 +9,9 @@ Example:
     6.0
 """
 
+from . import distributed as distributed
+from ._checkpoint import load_walkers as load_walkers
+from ._checkpoint import save_walkers as save_walkers
 from ._decorator import WalkerParallel as WalkerParallel
 from ._decorator import replicated_args as replicated_args
 from ._decorator import walker_parallel as walker_parallel
@@ -63,6 +66,7 @@ __all__ = [
     "WalkerParallel",
     "assemble_sharded",
     "create_mesh",
+    "distributed",
     "gather_walkers",
     "get_replicated_sharding",
     "get_vmap_fn",
@@ -71,17 +75,18 @@ __all__ = [
     "is_multi_gpu",
     "jtj",
     "jtv",
+    "load_walkers",
     "n_devices",
     "pad_n_walkers",
     "pad_walker",
     "replicate",
     "replicated_args",
+    "save_walkers",
     "shard_map_wrap",
     "shard_vmap",
     "shard_walker",
     "sharded_batched_vmap",
     "slice_walkers",
-    "sv",
     "use_mesh",
     "walker_mean",
     "walker_parallel",

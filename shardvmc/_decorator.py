@@ -12,8 +12,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from ._errors import CallError, UnhashableStaticError, message
-from ._kernel import Options, build, inside_kernel
+from ._errors import CallError, DecorationError, ShardvmcError, UnhashableStaticError, message
+from ._kernel import Options, build, explain_call_error, inside_kernel, output_shardings
 from ._markers import Kind, Layout, missing_markers_error, parse
 from ._mesh import resolve_mesh
 from ._reductions import check_n_valid
@@ -78,18 +78,32 @@ class WalkerParallel:
         bound.apply_defaults()
         return tuple(bound.arguments.values())
 
-    def _kernel(self, args: tuple[Any, ...]) -> Callable[..., Any]:
-        mesh = resolve_mesh(self._mesh, self._options.axis_name, where=self._qualname)
+    def _kernel(self, args: tuple[Any, ...], dyn: tuple[Any, ...]) -> Callable[..., Any]:
+        axis = self._options.axis_name
+        mesh = resolve_mesh(self._mesh, axis, where=self._qualname)
         statics = tuple(args[i] for i in self._static_idx)
+        key = (mesh, statics, self._divisible(dyn, mesh))
         try:
-            return self._cache[(mesh, statics)]
+            return self._cache[key]
         except KeyError:
             pass
         except TypeError:
             self._raise_unhashable(statics)
-        run = jax.jit(build(self.__wrapped__, self._layout, statics, mesh, self._options, self._qualname))
-        self._cache[(mesh, statics)] = run
+        # Only an evenly divisible walker count can keep its sharding on the way out.
+        shardings = output_shardings(self._layout, mesh, axis) if key[2] else None
+        run = jax.jit(
+            build(self.__wrapped__, self._layout, statics, mesh, self._options, self._qualname), out_shardings=shardings
+        )
+        self._cache[key] = run
         return run
+
+    def _divisible(self, dyn: tuple[Any, ...], mesh: Mesh) -> bool:
+        if self._first_walker_idx is None:
+            return True
+        leaves = jax.tree_util.tree_leaves(dyn[self._first_walker_idx])
+        if not leaves or not np.ndim(leaves[0]):
+            return True  # run() raises the error that explains it
+        return np.shape(leaves[0])[0] % mesh.shape[self._options.axis_name] == 0
 
     def _raise_unhashable(self, statics: tuple[Any, ...]) -> None:
         for i, value in zip(self._static_idx, statics):
@@ -123,11 +137,25 @@ class WalkerParallel:
             return self._nested(*args, **kwargs)
         if kwargs or len(args) != self._n_params:
             args = self._arguments(args, kwargs)
-        run = self._kernel(args)
         dyn = tuple(args[i] for i in self._dyn_idx)
+        run = self._kernel(args, dyn)
         if n_valid is not None:
             n_valid = self._n_valid(n_valid, dyn)
-        return run(dyn, n_valid)
+        try:
+            return run(dyn, n_valid)
+        except (TypeError, ValueError) as err:
+            self._explain(err, dyn)
+            raise
+
+    def _explain(self, err: Exception, dyn: tuple[Any, ...]) -> None:
+        """Replace JAX's refusal of the arguments by the shardvmc error that names the parameter."""
+        if isinstance(err, ShardvmcError):
+            return
+        params = tuple(self._layout.params[i] for i in self._dyn_idx)
+        mesh = resolve_mesh(self._mesh, self._options.axis_name, where=self._qualname)
+        error = explain_call_error(self._qualname, params, dyn, mesh)
+        if error is not None:
+            raise error from None
 
     def lower(self, *args: Any, n_valid: Any = None, **kwargs: Any) -> jax.stages.Lowered:
         """Lower the kernel for these arguments, like ``jax.jit(f).lower``.
@@ -144,7 +172,11 @@ class WalkerParallel:
         dyn = tuple(args[i] for i in self._dyn_idx)
         if n_valid is not None:
             n_valid = self._n_valid(n_valid, dyn)
-        return self._kernel(args).lower(dyn, n_valid)
+        try:
+            return self._kernel(args, dyn).lower(dyn, n_valid)
+        except (TypeError, ValueError) as err:
+            self._explain(err, dyn)
+            raise
 
     def __get__(self, instance: Any, owner: Any = None) -> Any:
         if instance is None:
@@ -223,10 +255,18 @@ def walker_parallel(
         3.0
     """
     options = Options(axis_name=axis_name, batch_size=batch_size, batched=batched, checks=checks)
-    if batch_size is not None and (not isinstance(batch_size, int) or batch_size < 1):
+    if batch_size is not None and (not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1):
         raise ValueError(f"walker_parallel: batch_size must be a positive int or None, got {batch_size!r}.")
 
     def decorate(f: Callable[..., Any]) -> WalkerParallel:
+        if not callable(f):
+            raise DecorationError(
+                message(
+                    "walker_parallel",
+                    f"expected a function of one walker, got a {type(f).__name__}.",
+                    fix="decorate a function (`@sv.walker_parallel` or `@sv.walker_parallel(batch_size=...)`).",
+                )
+            )
         if isinstance(f, WalkerParallel):
             raise TypeError(f"walker_parallel: {f!r} is already walker-parallel.")
         if isinstance(f, _ReplicatedFn):

@@ -17,15 +17,15 @@ import chex
 import folx
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from . import _compat
 from ._errors import CallError, message
-from ._markers import Kind, Layout
+from ._markers import Kind, Layout, Param
 from ._placement import pad_n_walkers, pad_walker, walker_keys
 from ._reductions import masked_sum, mean_dtype
 
-__all__ = ["Options", "build", "inside_kernel"]
+__all__ = ["Options", "build", "explain_call_error", "inside_kernel", "output_shardings"]
 
 _INSIDE: contextvars.ContextVar[bool] = contextvars.ContextVar("shardvmc_inside_kernel", default=False)
 
@@ -108,6 +108,58 @@ def _check_inputs(qualname: str, layout: Layout, dyn: tuple[Any, ...], params: t
     return int(first[2])
 
 
+def _check_outputs(qualname: str, out: Any) -> None:
+    """Trace-time check that every output leaf is an array (or a number)."""
+    for path, leaf in jax.tree_util.tree_flatten_with_path(out)[0]:
+        try:
+            jax.typeof(leaf)
+        except TypeError:
+            raise CallError(
+                message(
+                    qualname,
+                    f"output{jax.tree_util.keystr(path)} is not an array.",
+                    got=type(leaf).__name__,
+                    fix="return arrays or numbers only; keep other results out of walker-parallel functions.",
+                )
+            ) from None
+
+
+def explain_call_error(qualname: str, params: tuple[Param, ...], dyn: tuple[Any, ...], mesh: Mesh) -> CallError | None:
+    """The shardvmc error behind JAX rejecting a kernel's arguments, or ``None``.
+
+    Runs only after ``jax.jit`` refused the arguments, so the happy path pays nothing:
+    finds a leaf that is no JAX type (a string, an object array), or an array committed
+    to devices other than those of ``mesh``.
+    """
+    devices = set(mesh.devices.flat)
+    for p, arg in zip(params, dyn):
+        for path, leaf in jax.tree_util.tree_flatten_with_path(arg)[0]:
+            where = f"{p.kind.value} parameter {p.name!r}{jax.tree_util.keystr(path)}"
+            try:
+                jax.typeof(leaf)
+            except TypeError as err:
+                return CallError(
+                    message(
+                        qualname,
+                        f"{where} is not an array.",
+                        got=f"{type(leaf).__name__} ({err})",
+                        fix="pass arrays or numbers, or mark the parameter Static if it holds a hashable setting.",
+                    )
+                )
+            if isinstance(leaf, jax.Array) and leaf.committed and leaf.sharding.device_set != devices:
+                return CallError(
+                    message(
+                        qualname,
+                        f"{where} lives on other devices than the mesh of the call.",
+                        got=f"devices {sorted(d.id for d in leaf.sharding.device_set)}",
+                        expected=f"devices {sorted(d.id for d in devices)} (mesh {dict(mesh.shape)})",
+                        fix="place it on the call's mesh (sv.shard_walker(x, mesh) for PerWalker, sv.replicate(x, "
+                        "mesh) otherwise), or call under sv.use_mesh(mesh) with the mesh the arrays live on.",
+                    )
+                )
+    return None
+
+
 def _check_key(qualname: str, name: str, key: Any) -> None:
     if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
         if key.ndim == 0:
@@ -133,11 +185,25 @@ def _output_kinds(layout: Layout, out: Any, qualname: str) -> tuple[Kind, ...] |
             message(
                 qualname,
                 f"the return annotation marks a tuple of {len(layout.output)} outputs, but the function returned "
-                f"{type(out).__name__}{f' of {len(out)}' if isinstance(out, tuple) else ''}.",
+                f"{f'a tuple of {len(out)}' if isinstance(out, tuple) else 'no tuple'}.",
+                got=_describe(out),
                 fix="return a tuple matching the annotation.",
             )
         )
     return layout.output
+
+
+def output_shardings(layout: Layout, mesh: Mesh, axis_name: str) -> Any:
+    """The shardings of the outputs: ``P(axis_name)`` per walker, replicated for ``Mean``/``Sum``.
+
+    Given to ``jax.jit`` as ``out_shardings`` so that the walker sharding is kept
+    literally, also on a one-device mesh (where XLA would otherwise report ``P()``).
+    """
+
+    def of(kind: Kind) -> NamedSharding:
+        return NamedSharding(mesh, PartitionSpec(axis_name) if kind is Kind.PER_WALKER else PartitionSpec())
+
+    return of(layout.output) if isinstance(layout.output, Kind) else tuple(of(k) for k in layout.output)
 
 
 def build(
@@ -167,7 +233,10 @@ def build(
 
     def call(*dyn: Any) -> Any:
         it_dyn, it_static = iter(dyn), iter(statics)
-        return fn(*(next(it_static) if is_static else next(it_dyn) for is_static in order))
+        out = fn(*(next(it_static) if is_static else next(it_dyn) for is_static in order))
+        if options.checks:
+            _check_outputs(qualname, out)
+        return out
 
     if options.batched:
         mapped = call

@@ -217,10 +217,12 @@ def _parse_output(hint: Any, qualname: str) -> Kind | tuple[Kind, ...]:
 
 def missing_markers_error(qualname: str, missing: list[str]) -> DecorationError:
     """The error for parameters that carry no marker."""
+    names = ", ".join(repr(m) for m in missing)
+    subject = f"parameter {names} has" if len(missing) == 1 else f"parameters {names} have"
     return DecorationError(
         message(
             qualname,
-            f"parameter(s) {', '.join(repr(m) for m in missing)} have no shardvmc marker: sharding unknown.",
+            f"{subject} no shardvmc marker, so their sharding is unknown.",
             expected="PerWalker[...], Replicated[...], WalkerKey or Static[...] on every parameter",
             fix="annotate them, e.g. `r: PerWalker[jax.Array]`, or decorate with "
             "@sv.replicated_args('params', ...) so that the others default to PerWalker.",

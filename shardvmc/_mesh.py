@@ -68,6 +68,15 @@ def resolve_mesh(mesh: Mesh | None, axis_name: str = "walkers", *, where: str = 
         mesh = _CURRENT_MESH.get()
         if mesh is None:
             return _default_mesh(axis_name)
+    if not isinstance(mesh, Mesh):
+        raise CallError(
+            message(
+                where,
+                "mesh is not a jax.sharding.Mesh.",
+                got=type(mesh).__name__,
+                fix="build one with sv.create_mesh(devices), e.g. sv.create_mesh(jax.devices()[:4]).",
+            )
+        )
     if axis_name not in mesh.shape:
         raise CallError(
             message(

@@ -376,7 +376,7 @@ def initialize_walkers_sharded(
 
     spec = PartitionSpec(axis_name)
     kernel = _compat.shard_map(body, mesh, in_specs=PartitionSpec(), out_specs=spec)
-    return jax.jit(kernel)(key)
+    return jax.jit(kernel, out_shardings=get_walker_sharding(mesh, axis_name))(key)
 
 
 def gather_walkers(tree: Any) -> Any:

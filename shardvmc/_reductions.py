@@ -92,6 +92,17 @@ def check_n_valid(where: str, n_valid: Any, n_walkers: int) -> None:
         )
     if n_valid is None or isinstance(n_valid, jax.core.Tracer):
         return
+    dtype = getattr(n_valid, "dtype", None)
+    integral = isinstance(n_valid, int) if dtype is None else jnp.issubdtype(dtype, jnp.integer)
+    if isinstance(n_valid, bool) or not integral or getattr(n_valid, "shape", ()) != ():
+        raise CallError(
+            message(
+                where,
+                "n_valid must be one integer, the number of real walkers.",
+                got=f"{type(n_valid).__name__} {dtype or ''}{list(getattr(n_valid, 'shape', ()))}",
+                fix="pass a Python int or an integer scalar array (the count returned by sv.pad_walker).",
+            )
+        )
     value = int(n_valid)
     if not 1 <= value <= n_walkers:
         raise CallError(
@@ -108,11 +119,12 @@ def _sum_local(mask: Any, x: Any) -> Any:
 
 
 def _jtj_local(mask: Any, jac: jax.Array) -> jax.Array:
-    return _masked(jac, mask).T @ jac
+    rows = _masked(jac, mask)  # both factors: 0 * inf in a padding row would be NaN
+    return rows.T @ rows
 
 
 def _jtv_local(mask: Any, jac: jax.Array, v: jax.Array) -> jax.Array:
-    return _masked(jac, mask).T @ v
+    return _masked(jac, mask).T @ _masked(v, mask)
 
 
 def _masked(x: jax.Array, mask: jax.Array | None) -> jax.Array:

@@ -1,0 +1,189 @@
+"""Multi-process (multi-host) runs on JAX's distributed runtime.
+
+One process per GPU or per node, all running the same program: call
+:func:`initialize` first, before anything touches a device, and every shardvmc
+function then works on the global mesh of all processes' devices. Importing
+shardvmc and decorating functions touch no device, so the call may come after them.
+
+Example:
+    >>> import shardvmc as sv
+    >>> if sv.distributed.is_launched():  # started by `python -m shardvmc.launch`
+    ...     sv.distributed.initialize()
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+
+from ._errors import CallError, message
+
+__all__ = ["ENV_COORDINATOR", "ENV_NUM_PROCESSES", "ENV_PROCESS_ID", "initialize", "is_launched"]
+
+ENV_COORDINATOR = "SHARDVMC_COORDINATOR_ADDRESS"
+"""Environment variable the launcher sets to the coordinator's ``host:port``."""
+ENV_NUM_PROCESSES = "SHARDVMC_NUM_PROCESSES"
+"""Environment variable the launcher sets to the number of processes."""
+ENV_PROCESS_ID = "SHARDVMC_PROCESS_ID"
+"""Environment variable the launcher sets to this process's index (``0 .. n-1``)."""
+
+# Modules whose presence makes JAX pick an accelerator when JAX_PLATFORMS is unset.
+_ACCELERATOR_PLUGINS = (
+    "jax_cuda13_plugin",
+    "jax_cuda12_plugin",
+    "jax_rocm7_plugin",
+    "jax_rocm60_plugin",
+    "libtpu",
+    "jax_plugins",
+)
+
+# What this module passed to jax.distributed.initialize, to compare a second call with.
+_SETTINGS: dict[str, Any] | None = None
+
+
+def is_launched() -> bool:
+    """Whether this process was started by ``python -m shardvmc.launch``.
+
+    True when the launcher's environment variables (``SHARDVMC_COORDINATOR_ADDRESS``,
+    ``SHARDVMC_NUM_PROCESSES``, ``SHARDVMC_PROCESS_ID``) are all set. Touches no device.
+
+    Example:
+        >>> import shardvmc as sv
+        >>> sv.distributed.is_launched()  # a plain test process
+        False
+    """
+    return all(os.environ.get(name) for name in (ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID))
+
+
+def _launched_settings() -> tuple[str, int, int]:
+    values = {name: os.environ[name] for name in (ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID)}
+    try:
+        return values[ENV_COORDINATOR], int(values[ENV_NUM_PROCESSES]), int(values[ENV_PROCESS_ID])
+    except ValueError:
+        raise CallError(
+            message(
+                "shardvmc.distributed.initialize",
+                "the launcher's environment variables are not integers where they should be.",
+                got=", ".join(f"{k}={v!r}" for k, v in values.items()),
+                fix="start the program with `python -m shardvmc.launch`, or unset the SHARDVMC_* variables.",
+            )
+        ) from None
+
+
+def _platform_is_cpu() -> bool:
+    """Whether JAX will run on CPU, decided without initialising a backend."""
+    platforms = jax.config.jax_platforms or os.environ.get("JAX_PLATFORMS", "")
+    if platforms:
+        return platforms.split(",")[0].strip().lower() == "cpu"
+    if any(importlib.util.find_spec(name) is not None for name in _ACCELERATOR_PLUGINS):
+        return False
+    return not importlib.metadata.entry_points(group="jax_plugins")
+
+
+def _backends_initialized() -> bool:
+    try:  # JAX has no public spelling of this question
+        from jax._src import xla_bridge
+
+        return bool(xla_bridge.backends_are_initialized())
+    except (ImportError, AttributeError):  # pragma: no cover - then JAX's own error speaks
+        return False
+
+
+def _check_same(requested: dict[str, Any]) -> None:
+    """A second call: nothing to do if it asks for what is set up, else a clear error."""
+    current = {k: v for k, v in (_SETTINGS or {}).items() if v is not None}
+    if "num_processes" not in current or "process_id" not in current:  # initialised by JAX directly
+        current.update(num_processes=jax.process_count(), process_id=jax.process_index())
+    differ = {k: (current[k], v) for k, v in requested.items() if v is not None and k in current and current[k] != v}
+    if differ:
+        raise CallError(
+            message(
+                "shardvmc.distributed.initialize",
+                "the distributed runtime is already initialised with other settings.",
+                got=", ".join(f"{k}={new!r}" for k, (_, new) in differ.items()),
+                expected=", ".join(f"{k}={old!r}" for k, (old, _) in differ.items()),
+                fix="call initialize once per process, first thing in the program; to change the group, "
+                "start new processes.",
+            )
+        )
+
+
+def initialize(
+    coordinator_address: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    local_device_ids: int | Sequence[int] | None = None,
+    **kwargs: Any,
+) -> None:
+    """Join this process to a multi-process JAX run (wraps ``jax.distributed.initialize``).
+
+    With no arguments it joins the group started by ``python -m shardvmc.launch``
+    when the launcher's ``SHARDVMC_*`` variables are set, and otherwise uses JAX's own
+    cluster auto-detection (SLURM, Open MPI, Kubernetes, Cloud TPU). On the CPU
+    platform it first selects the gloo cross-process collectives. Call it in every
+    process before anything touches a device (``jax.devices()``, any computation); it
+    may follow ``import shardvmc`` and the decoration of functions.
+
+    Calling it again is a no-op when the settings asked for are the ones in place.
+
+    Args:
+        coordinator_address: ``host:port`` of process 0's coordinator service.
+        num_processes: the number of processes.
+        process_id: this process's index, ``0 .. num_processes - 1``.
+        local_device_ids: the local accelerators this process uses (e.g. ``[0]``).
+        **kwargs: passed on to ``jax.distributed.initialize`` (for example
+            ``cluster_detection_method``, ``initialization_timeout``).
+
+    Raises:
+        CallError: a second call with other settings, or a call after a device was
+            touched (JAX can no longer join the group then).
+
+    Example:
+        Two processes on one machine (run each in its own shell; not run here, since
+        a process can join only one group and a test process must stay single)::
+
+        >>> sv.distributed.initialize("127.0.0.1:12345", num_processes=2, process_id=0)  # doctest: +SKIP
+        >>> jax.process_count(), len(jax.devices()) > len(jax.local_devices())  # doctest: +SKIP
+        (2, True)
+    """
+    global _SETTINGS
+    if is_launched():
+        launched = _launched_settings()
+        coordinator_address = launched[0] if coordinator_address is None else coordinator_address
+        num_processes = launched[1] if num_processes is None else num_processes
+        process_id = launched[2] if process_id is None else process_id
+        kwargs.setdefault("cluster_detection_method", "deactivate")
+    requested = {"coordinator_address": coordinator_address, "num_processes": num_processes, "process_id": process_id}
+    if jax.distributed.is_initialized():
+        _check_same(requested)
+        return
+    if _backends_initialized():
+        raise CallError(
+            message(
+                "shardvmc.distributed.initialize",
+                "a JAX backend is already running in this process, so it can no longer join a multi-process group.",
+                got="a call such as jax.devices(), jnp.zeros(...), sv.create_mesh() or a kernel ran before initialize",
+                fix="call sv.distributed.initialize() first thing in the program, before anything touches a device.",
+            )
+        )
+    if _platform_is_cpu() and jax.config.jax_cpu_collectives_implementation not in ("gloo", "mpi"):
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(
+        coordinator_address=coordinator_address,
+        num_processes=num_processes,
+        process_id=process_id,
+        local_device_ids=local_device_ids,
+        **kwargs,
+    )
+    try:  # what auto-detection settled on (no public spelling)
+        from jax._src.distributed import global_state
+
+        requested = {k: getattr(global_state, k, v) for k, v in requested.items()}
+    except ImportError:  # pragma: no cover
+        pass
+    _SETTINGS = requested

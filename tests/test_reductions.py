@@ -1,0 +1,72 @@
+"""Reductions outside kernels: values over the valid walkers, replicated; J is never gathered."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import shardvmc as sv
+
+
+def jacobian(n, p=5, seed=0):
+    return jax.random.normal(jax.random.key(seed), (n, p))
+
+
+@pytest.mark.parametrize(("n", "n_valid"), [(24, None), (24, 17), (13, None), (13, 4)])
+def test_values_match_numpy(mesh, n, n_valid):
+    jac = jacobian(n)
+    v = jax.random.normal(jax.random.key(1), (n,))
+    k = n if n_valid is None else n_valid
+    J, V = np.asarray(jac, np.float64)[:k], np.asarray(v, np.float64)[:k]
+    with sv.use_mesh(mesh):
+        if n % mesh.devices.size == 0:
+            jac, v = sv.shard_walker((jac, v))
+        results = {
+            "mean": sv.walker_mean({"j": jac, "v": v}, n_valid),
+            "sum": sv.walker_sum(v, n_valid),
+            "jtj": sv.jtj(jac, n_valid),
+            "jtv": sv.jtv(jac, v, n_valid),
+        }
+    np.testing.assert_allclose(results["mean"]["j"], J.mean(0), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(results["mean"]["v"], V.mean(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(results["sum"], V.sum(), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(results["jtj"], J.T @ J, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(results["jtv"], J.T @ V, rtol=1e-5, atol=1e-5)
+    for leaf in jax.tree_util.tree_leaves(results):
+        assert leaf.sharding.is_fully_replicated
+        assert leaf.sharding.mesh == mesh
+
+
+def test_mean_of_integers_is_float():
+    out = sv.walker_mean(jnp.arange(8, dtype=jnp.int32), 3)
+    assert jnp.issubdtype(out.dtype, jnp.floating) and float(out) == 1.0
+
+
+def test_padding_nan_never_enters():
+    x = jnp.ones(16).at[12:].set(jnp.nan)
+    assert float(sv.walker_sum(x, 12)) == 12.0
+    jac = jnp.ones((16, 2)).at[12:].set(jnp.inf)
+    np.testing.assert_array_equal(sv.jtj(jac, 12), np.full((2, 2), 12.0))
+
+
+def test_one_local_product_and_one_all_reduce():
+    mesh = sv.create_mesh()
+    jac = sv.shard_walker(jacobian(64, 7), mesh)
+    v = sv.shard_walker(jnp.ones(64), mesh)
+    for text in (
+        jax.jit(lambda j: sv.jtj(j)).lower(jac).compile().as_text(),
+        jax.jit(lambda j, v: sv.jtv(j, v, 50)).lower(jac, v).compile().as_text(),
+    ):
+        assert "all-gather" not in text and "all-to-all" not in text and "collective-permute" not in text
+        assert text.count("all-reduce(") + text.count("all-reduce-start(") == 1
+        # the all-reduce moves the (P, P) or (P,) result, never the (n, P) Jacobian
+        assert "f32[64,7]{1,0} all-reduce" not in text
+
+
+def test_errors():
+    with pytest.raises(sv.CallError, match="different numbers of walkers"):
+        sv.jtv(jnp.ones((8, 2)), jnp.ones(6))
+    with pytest.raises(sv.CallError, match="n_valid=9 is outside 1..8"):
+        sv.walker_mean(jnp.ones(8), 9)
+    with pytest.raises(sv.CallError, match="no walkers"):
+        sv.walker_sum(jnp.ones((0, 2)))

@@ -1,0 +1,32 @@
+"""shardvmc.testing assertions pass on good shardings and list every bad leaf."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import shardvmc as sv
+from shardvmc.testing import assert_replicated, assert_walker_sharded
+
+
+def test_assert_walker_sharded(mesh):
+    tree = sv.shard_walker({"r": np.zeros((24, 3)), "t": 1.0}, mesh)
+    assert_walker_sharded(tree, mesh)
+    bad = {"r": tree["r"], "p": sv.replicate(np.zeros((24, 3)), mesh), "q": jnp.zeros((24, 3))}
+    if mesh.devices.size == 1:
+        return  # on one device, replicated and sharded are the same layout
+    with pytest.raises(AssertionError) as err:
+        assert_walker_sharded(bad, mesh)
+    assert "['p']" in str(err.value) and "['r']" not in str(err.value) and "2 leaves" in str(err.value)
+
+
+def test_assert_replicated():
+    mesh = sv.create_mesh()
+    assert_replicated(sv.replicate({"w": np.ones(3)}, mesh))
+    with pytest.raises(AssertionError, match=r"\['w'\]"):
+        assert_replicated({"w": sv.shard_walker(np.ones(8), mesh)})
+
+
+def test_tracers_are_reported_clearly():
+    with pytest.raises(AssertionError, match="tracer"):
+        jax.jit(lambda x: assert_replicated(x))(jnp.ones(2))
