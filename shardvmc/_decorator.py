@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import operator
 import types
 import weakref
 from collections.abc import Callable
@@ -19,6 +20,16 @@ from ._mesh import resolve_mesh
 from ._reductions import check_n_valid
 
 __all__ = ["WalkerParallel", "replicated_args", "walker_parallel"]
+
+
+def _picker(indices: tuple[int, ...]) -> Callable[[tuple[Any, ...]], tuple[Any, ...]]:
+    """A fast ``lambda args: tuple(args[i] for i in indices)``."""
+    if not indices:
+        return lambda args: ()
+    if len(indices) == 1:
+        i = indices[0]
+        return lambda args: (args[i],)
+    return operator.itemgetter(*indices)
 
 
 class WalkerParallel:
@@ -59,6 +70,8 @@ class WalkerParallel:
         self._n_params = len(layout.signature.parameters) if not self._missing else -1
         self._static_idx = tuple(i for i, p in enumerate(layout.params) if p.kind is Kind.STATIC)
         self._dyn_idx = tuple(i for i, p in enumerate(layout.params) if p.kind is not Kind.STATIC)
+        self._statics_of = _picker(self._static_idx)
+        self._dyn_of = _picker(self._dyn_idx)
         self._first_walker_idx = next(
             (j for j, i in enumerate(self._dyn_idx) if layout.params[i].kind is Kind.PER_WALKER), None
         )
@@ -81,8 +94,9 @@ class WalkerParallel:
     def _kernel(self, args: tuple[Any, ...], dyn: tuple[Any, ...]) -> Callable[..., Any]:
         axis = self._options.axis_name
         mesh = resolve_mesh(self._mesh, axis, where=self._qualname)
-        statics = tuple(args[i] for i in self._static_idx)
-        key = (mesh, statics, self._divisible(dyn, mesh))
+        statics = self._statics_of(args)
+        n = self._walker_count(dyn)
+        key = (mesh, statics, n is None or n % mesh.shape[axis] == 0)
         try:
             return self._cache[key]
         except KeyError:
@@ -97,13 +111,16 @@ class WalkerParallel:
         self._cache[key] = run
         return run
 
-    def _divisible(self, dyn: tuple[Any, ...], mesh: Mesh) -> bool:
+    def _walker_count(self, dyn: tuple[Any, ...]) -> int | None:
+        """Leading size of the first PerWalker leaf (``None`` if there is none: run() explains)."""
         if self._first_walker_idx is None:
-            return True
-        leaves = jax.tree_util.tree_leaves(dyn[self._first_walker_idx])
-        if not leaves or not np.ndim(leaves[0]):
-            return True  # run() raises the error that explains it
-        return np.shape(leaves[0])[0] % mesh.shape[self._options.axis_name] == 0
+            return None
+        arg = dyn[self._first_walker_idx]
+        shape = getattr(arg, "shape", None)  # fast path: the argument is one array
+        if shape is None:
+            leaves = jax.tree_util.tree_leaves(arg)
+            shape = getattr(leaves[0], "shape", None) if leaves else None
+        return int(shape[0]) if shape else None
 
     def _raise_unhashable(self, statics: tuple[Any, ...]) -> None:
         for i, value in zip(self._static_idx, statics):
@@ -124,10 +141,9 @@ class WalkerParallel:
     def _n_valid(self, n_valid: Any, dyn: tuple[Any, ...]) -> Any:
         if isinstance(n_valid, jax.core.Tracer):
             return n_valid
-        if self._first_walker_idx is not None:
-            leaves = jax.tree_util.tree_leaves(dyn[self._first_walker_idx])
-            if leaves and np.ndim(leaves[0]):
-                check_n_valid(self._qualname, n_valid, int(np.shape(leaves[0])[0]))
+        n = self._walker_count(dyn)
+        if n is not None:
+            check_n_valid(self._qualname, n_valid, n)
         if not isinstance(n_valid, (int, np.integer, jax.Array)) or isinstance(n_valid, bool):
             raise CallError(message(self._qualname, "n_valid must be an integer.", got=type(n_valid).__name__))
         return np.int32(n_valid)
@@ -137,7 +153,7 @@ class WalkerParallel:
             return self._nested(*args, **kwargs)
         if kwargs or len(args) != self._n_params:
             args = self._arguments(args, kwargs)
-        dyn = tuple(args[i] for i in self._dyn_idx)
+        dyn = self._dyn_of(args)
         run = self._kernel(args, dyn)
         if n_valid is not None:
             n_valid = self._n_valid(n_valid, dyn)
@@ -169,7 +185,7 @@ class WalkerParallel:
             True
         """
         args = self._arguments(args, kwargs)
-        dyn = tuple(args[i] for i in self._dyn_idx)
+        dyn = self._dyn_of(args)
         if n_valid is not None:
             n_valid = self._n_valid(n_valid, dyn)
         try:
