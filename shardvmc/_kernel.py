@@ -77,7 +77,8 @@ def _check_inputs(qualname: str, layout: Layout, dyn: tuple[Any, ...], params: t
                         qualname,
                         f"PerWalker parameter {p.name!r}{jax.tree_util.keystr(path)} is a scalar (no walker axis).",
                         got=f"shape {tuple(leaf.shape)}",
-                        fix="give it a leading walker axis, or mark the parameter Replicated.",
+                        fix="give it a leading walker axis (a Python list is a pytree of scalars: convert it with "
+                        "jnp.asarray), or mark the parameter Replicated.",
                     )
                 )
             where = f"{p.name!r}{jax.tree_util.keystr(path)}"
@@ -261,7 +262,13 @@ def build(
                 lineno=code.co_firstlineno if code else 0,
                 module=getattr(fn, "__module__", None),
             )
-            dyn = tuple(pad_walker(a, n_pad)[0] if k is Kind.PER_WALKER else a for a, k in zip(dyn, kinds))
+            # An uneven count cannot be sharded, so these inputs are replicated: pad them replicated and
+            # shard_map slices locally (left free, XLA sharded the padding and all-gathered it back).
+            replicated = NamedSharding(mesh, PartitionSpec())
+            dyn = tuple(
+                jax.lax.with_sharding_constraint(pad_walker(a, n_pad)[0], replicated) if k is Kind.PER_WALKER else a
+                for a, k in zip(dyn, kinds)
+            )
         masked = n_valid is not None or n_pad != n
         count = n if n_valid is None else n_valid
 

@@ -326,8 +326,9 @@ def initialize_walkers_sharded(
         n_walkers: the number of walkers wanted.
         mesh: the mesh; defaults to the ``use_mesh`` one, else all devices.
         key: a PRNG key (raw or typed). Required unless ``initial_walkers`` is given.
-        initial_walkers: a host pytree of ``n_walkers`` walkers to place instead of
-            calling ``init_fn`` (``key`` is then unused).
+        initial_walkers: a pytree of ``n_walkers`` walkers to place instead of
+            calling ``init_fn`` (``key`` is then unused): host arrays, or jax.Arrays
+            already on devices (also the global arrays of a multi-process run).
         axis_name: the walker axis of ``mesh``.
 
     Returns:
@@ -348,7 +349,8 @@ def initialize_walkers_sharded(
         raise CallError(message("initialize_walkers_sharded", f"n_walkers must be at least 1, got {n_walkers}."))
     n_pad = pad_n_walkers(n_walkers, size)
     if initial_walkers is not None:
-        host = jax.tree_util.tree_map(np.asarray, initial_walkers)
+        # jax.Arrays stay on devices: a multi-process (global) array cannot be fetched to one host.
+        host = jax.tree_util.tree_map(lambda x: x if isinstance(x, jax.Array) else np.asarray(x), initial_walkers)
         n = leading_size(host, "initialize_walkers_sharded", "initial_walkers")
         if n != n_walkers:
             raise CallError(

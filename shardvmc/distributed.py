@@ -94,6 +94,43 @@ def _backends_initialized() -> bool:
         return False
 
 
+def _loopback_host(coordinator_address: str | None) -> str | None:
+    """The loopback address of a coordinator on this machine's loopback, else ``None``."""
+    if not coordinator_address or ":" not in coordinator_address:
+        return None
+    host = coordinator_address.rsplit(":", 1)[0].strip("[]")
+    if host == "localhost" or host.startswith("127."):
+        return "127.0.0.1"
+    return "::1" if host == "::1" else None
+
+
+def _pin_gloo_to(host: str) -> None:
+    """Make gloo listen and connect on ``host`` instead of the address of the machine's name.
+
+    A group whose coordinator is on loopback lives on one machine; left alone, gloo
+    binds to whatever the hostname resolves to, which sandboxes and CI runners may not
+    route. JAX creates the gloo collectives without a hostname, so the factory is
+    wrapped to supply one.
+    """
+    try:  # no public spelling: JAX builds the CPU client with these collectives itself
+        from jax._src import xla_bridge
+
+        module = xla_bridge._jax
+        make = module.make_gloo_tcp_collectives
+    except (ImportError, AttributeError):  # pragma: no cover - another JAX layout: keep its default
+        return
+    make = getattr(make, "__wrapped__", make)
+
+    def make_on_host(*args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("hostname") is None and kwargs.get("interface") is None:
+            kwargs["hostname"] = host
+        return make(*args, **kwargs)
+
+    make_on_host.__wrapped__ = make  # type: ignore[attr-defined]
+    make_on_host.shardvmc_host = host  # type: ignore[attr-defined]
+    module.make_gloo_tcp_collectives = make_on_host
+
+
 def _check_same(requested: dict[str, Any]) -> None:
     """A second call: nothing to do if it asks for what is set up, else a clear error."""
     current = {k: v for k, v in (_SETTINGS or {}).items() if v is not None}
@@ -144,11 +181,17 @@ def initialize(
             touched (JAX can no longer join the group then).
 
     Example:
-        Two processes on one machine (run each in its own shell; not run here, since
-        a process can join only one group and a test process must stay single)::
+        The usual first lines of a program that may run under the launcher:
+
+        >>> import shardvmc as sv
+        >>> if sv.distributed.is_launched():  # false in this (single) test process
+        ...     sv.distributed.initialize()
+
+        Two processes by hand, one per shell (skipped here: a process joins one group
+        for its lifetime, and the test process must stay a single process):
 
         >>> sv.distributed.initialize("127.0.0.1:12345", num_processes=2, process_id=0)  # doctest: +SKIP
-        >>> jax.process_count(), len(jax.devices()) > len(jax.local_devices())  # doctest: +SKIP
+        >>> jax.process_count(), jax.device_count() > jax.local_device_count()  # doctest: +SKIP
         (2, True)
     """
     global _SETTINGS
@@ -171,8 +214,12 @@ def initialize(
                 fix="call sv.distributed.initialize() first thing in the program, before anything touches a device.",
             )
         )
-    if _platform_is_cpu() and jax.config.jax_cpu_collectives_implementation not in ("gloo", "mpi"):
-        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    if _platform_is_cpu():
+        if jax.config.jax_cpu_collectives_implementation not in ("gloo", "mpi"):
+            jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        loopback = _loopback_host(coordinator_address)
+        if loopback is not None and jax.config.jax_cpu_collectives_implementation == "gloo":
+            _pin_gloo_to(loopback)
     jax.distributed.initialize(
         coordinator_address=coordinator_address,
         num_processes=num_processes,

@@ -227,7 +227,20 @@ def launch(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Command line: ``python -m shardvmc.launch --processes N [options] -- COMMAND ...``."""
+    """Command line: ``python -m shardvmc.launch --processes N [options] -- COMMAND ...``.
+
+    Args:
+        argv: the arguments after the program name (default: ``sys.argv[1:]``).
+
+    Returns:
+        The exit code of :func:`launch`; 130 when interrupted.
+
+    Example:
+        >>> import sys
+        >>> from shardvmc.launch import main
+        >>> main(["--processes", "2", "--timeout", "60", "--", sys.executable, "-c", "pass"])
+        0
+    """
     parser = argparse.ArgumentParser(
         prog="python -m shardvmc.launch",
         description="Run COMMAND as N processes of one JAX distributed group on this machine "
@@ -256,11 +269,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     def on_signal(signum: int, frame: object) -> None:
         raise KeyboardInterrupt
 
-    signal.signal(signal.SIGTERM, on_signal)
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, on_signal) if main_thread else None
     try:
         return launch(command, args.processes, args.devices_per_process, args.timeout)
     except KeyboardInterrupt:
         return 130
+    finally:
+        if main_thread and previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,148 @@
+"""Measuring tools shared by ``run.py`` and ``gpu.py``: interleaved timing, HLO collectives, the kernels.
+
+Every time is turned into a RATIO of two variants measured side by side in one process:
+the variants run in turn within each repetition (the order reversed every other
+repetition), and the figure is the median over repetitions of the per-repetition ratio.
+Load from other processes then slows both sides of a pair alike.
+"""
+
+import dataclasses
+import re
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import folx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+import shardvmc as sv
+
+AXIS = "walkers"
+
+
+# --------------------------------------------------------------------------------------------
+# Timing
+
+
+@dataclasses.dataclass(frozen=True)
+class Ratio:
+    """Median (and quartiles) over repetitions of ``time(a) / time(b)``, measured in pairs."""
+
+    median: float
+    q25: float
+    q75: float
+    reps: int
+
+    def __str__(self) -> str:
+        return f"{self.median:.3f} [{self.q25:.3f}, {self.q75:.3f}]"
+
+
+def interleaved(thunks: dict[str, Callable[[], Any]], reps: int, number: int = 1) -> dict[str, list[float]]:
+    """Seconds per call of each thunk, one entry per repetition, the thunks run in turn.
+
+    Each repetition calls every thunk ``number`` times in a row and waits for the last
+    result; the order of the thunks is reversed every other repetition. Two warm-up
+    rounds run first.
+    """
+    names = list(thunks)
+    for _ in range(2):
+        for name in names:
+            jax.block_until_ready(thunks[name]())
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for rep in range(reps):
+        for name in names if rep % 2 == 0 else names[::-1]:
+            thunk = thunks[name]
+            start = time.perf_counter()
+            for _ in range(number):
+                out = thunk()
+            jax.block_until_ready(out)
+            times[name].append((time.perf_counter() - start) / number)
+    return times
+
+
+def ratio(times: dict[str, list[float]], a: str, b: str) -> Ratio:
+    """The paired ratio ``a / b`` of an :func:`interleaved` measurement."""
+    pairs = sorted(x / y for x, y in zip(times[a], times[b]))
+    q = statistics.quantiles(pairs, n=4) if len(pairs) > 1 else [pairs[0]] * 3
+    return Ratio(statistics.median(pairs), q[0], q[2], len(pairs))
+
+
+# --------------------------------------------------------------------------------------------
+# Compiled programs
+
+COLLECTIVES = ("all-gather", "all-reduce", "all-to-all", "collective-permute", "reduce-scatter")
+_COLLECTIVE_OP = re.compile(r"\s(" + "|".join(COLLECTIVES) + r")(?:-start)?\(")
+
+
+def count_collectives(compiled: Any) -> dict[str, int]:
+    """Collective instructions in a compiled program's HLO, by kind (each async start/done pair counts once).
+
+    The count is static: a collective inside a loop body counts once.
+    """
+    counts = dict.fromkeys(COLLECTIVES, 0)
+    for match in _COLLECTIVE_OP.finditer(compiled.as_text()):
+        counts[match.group(1)] += 1
+    return counts
+
+
+def temp_bytes(compiled: Any) -> int:
+    """Temporary bytes per device of a compiled SPMD program (``memory_analysis``)."""
+    return int(compiled.memory_analysis().temp_size_in_bytes)
+
+
+def fmt_collectives(counts: dict[str, int]) -> str:
+    """``'none'`` or e.g. ``'1 all-reduce'``."""
+    parts = [f"{n} {kind}" for kind, n in counts.items() if n]
+    return ", ".join(parts) if parts else "none"
+
+
+# --------------------------------------------------------------------------------------------
+# Kernels
+
+
+def decorated_energy(system: Any, mesh: Any, output: str = "walker", batch_size: int | None = None) -> Any:
+    """The local energy as a ``walker_parallel`` kernel: per-walker (``'walker'``) or ``'mean'`` output."""
+    if output == "walker":
+
+        @sv.walker_parallel(mesh=mesh, batch_size=batch_size)
+        def local_energy(params: sv.Replicated[dict], r: sv.PerWalker[jax.Array]) -> sv.PerWalker[jax.Array]:
+            return system.local_energy(params, r)
+
+    else:
+
+        @sv.walker_parallel(mesh=mesh, batch_size=batch_size)
+        def local_energy(params: sv.Replicated[dict], r: sv.PerWalker[jax.Array]) -> sv.Mean[jax.Array]:
+            return system.local_energy(params, r)
+
+    return local_energy
+
+
+def hand_written(
+    fn: Callable[[Any, Any], Any], mesh: Any, output: str = "walker", batch_size: int | None = None
+) -> Callable[[Any, Any], Any]:
+    """``jax.jit(shard_map(vmap(fn)))`` for ``fn(replicated, walker)``, written as an expert would.
+
+    ``check_vma=True``; the replicated input is cast to varying inside (so per-walker
+    gradients would be right); a ``'mean'`` output is one ``psum`` of the local sums.
+    """
+    size = mesh.shape[AXIS]
+    mapped = jax.vmap(fn, (None, 0)) if batch_size is None else folx.batched_vmap(fn, batch_size, (None, 0))
+
+    def body(params: Any, r: Any) -> Any:
+        params = jax.tree_util.tree_map(lambda x: jax.lax.pcast(x, AXIS, to="varying"), params)
+        out = mapped(params, r)
+        if output == "walker":
+            return out
+        return jax.lax.psum(jnp.sum(out, axis=0), AXIS) / (r.shape[0] * size)
+
+    out_specs = P(AXIS) if output == "walker" else P()
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P(AXIS)), out_specs=out_specs, check_vma=True))
+
+
+def max_abs_diff(a: Any, b: Any) -> float:
+    """Largest absolute difference of two arrays (after gathering them to the host)."""
+    return float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))))

@@ -1,0 +1,285 @@
+"""A catalogue of bad inputs: each fails with a shardvmc-level error that says where and how to fix it.
+
+Every entry names the input, the error class expected, and the fragments its message
+must hold: the function, the parameter or pytree path, and the fix. None may surface
+as an error of JAX or XLA. docs/reliability.md lists the same catalogue (checked below).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import re
+from collections.abc import Callable
+from typing import Any
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import shardvmc as sv
+from shardvmc import Mean, PerWalker, Replicated, Static, Sum, WalkerKey
+
+DOCS = pathlib.Path(__file__).resolve().parents[1] / "docs" / "reliability.md"
+
+
+# ---------------------------------------------------------------- functions used by the catalogue
+
+
+@sv.walker_parallel
+def energy(alpha: Replicated[jax.Array], r: PerWalker[jax.Array]) -> Mean[jax.Array]:
+    return alpha * jnp.sum(r**2)
+
+
+@sv.walker_parallel
+def two_sets(r: PerWalker[jax.Array], s: PerWalker[jax.Array]) -> PerWalker[jax.Array]:
+    return jnp.sum(r) + jnp.sum(s)
+
+
+@sv.walker_parallel
+def move(key: WalkerKey, r: PerWalker[jax.Array]) -> PerWalker[jax.Array]:
+    return r + jax.random.normal(key, r.shape)
+
+
+@sv.walker_parallel
+def scaled(r: PerWalker[jax.Array], shape: Static[tuple]) -> PerWalker[jax.Array]:
+    return jnp.broadcast_to(jnp.sum(r), shape)
+
+
+@sv.walker_parallel
+def returns_text(r: PerWalker[jax.Array]) -> PerWalker:
+    return {"e": jnp.sum(r), "label": "ground state"}
+
+
+@sv.walker_parallel
+def returns_one(r: PerWalker[jax.Array]) -> tuple[PerWalker, Mean]:
+    return jnp.sum(r)
+
+
+@sv.walker_parallel(batched=True)
+def block_mean(r: PerWalker[jax.Array]) -> Mean:
+    return jnp.sum(r)  # one number for the whole block: no walker axis
+
+
+def no_marker(params, r: PerWalker[jax.Array]):
+    return r
+
+
+def mean_parameter(r: Mean[jax.Array]) -> PerWalker:
+    return r
+
+
+def key_return(r: PerWalker[jax.Array]) -> WalkerKey:
+    return r
+
+
+def two_markers(r: PerWalker[Replicated[jax.Array]]) -> PerWalker:
+    return r
+
+
+def static_in_tuple_output(r: PerWalker[jax.Array]) -> tuple[PerWalker, Static[int]]:
+    return r, 1
+
+
+def n_valid_parameter(r: PerWalker[jax.Array], n_valid: Static[int]) -> PerWalker:
+    return r
+
+
+def star_args(*r: PerWalker[jax.Array]) -> PerWalker:
+    return r
+
+
+def unresolvable(r: PerWalker[UndefinedType]) -> PerWalker:  # noqa: F821
+    return r
+
+
+def plain(params, r):
+    return params * r
+
+
+def conflicting(params: PerWalker[jax.Array], r):
+    return params * r
+
+
+@chex.dataclass
+class Walkers:
+    r: Any
+    label: Any
+
+
+R8 = np.ones((8, 2, 3), np.float32)
+ONE = np.float32(1.0)
+
+
+def other_mesh_walkers():
+    return sv.shard_walker(np.ones((6, 3), np.float32), sv.create_mesh(jax.devices()[:3]))
+
+
+@dataclasses.dataclass(frozen=True)
+class Bad:
+    """One catalogue entry."""
+
+    name: str
+    trigger: Callable[[], Any]
+    error: type[BaseException]
+    fragments: tuple[str, ...]  # the function, the parameter or path, the fix
+
+
+CATALOGUE = [
+    # ------------------------------------------------ decoration time
+    Bad("parameter without a marker", lambda: sv.walker_parallel(no_marker), sv.DecorationError,
+        ("no_marker", "'params'", "no shardvmc marker", "PerWalker[jax.Array]", "replicated_args")),
+    Bad("Mean marker on a parameter", lambda: sv.walker_parallel(mean_parameter), sv.DecorationError,
+        ("mean_parameter", "parameter 'r'", "marked Mean", "Mean and Sum are for returns")),
+    Bad("WalkerKey marker on the return", lambda: sv.walker_parallel(key_return), sv.DecorationError,
+        ("key_return", "return annotation", "WalkerKey", "mark returns PerWalker")),
+    Bad("two markers on one parameter", lambda: sv.walker_parallel(two_markers), sv.DecorationError,
+        ("two_markers", "parameter 'r'", "several markers")),
+    Bad("parameter marker on a tuple output element", lambda: sv.walker_parallel(static_in_tuple_output),
+        sv.DecorationError, ("static_in_tuple_output", "element 1 of the return annotation", "Static", "mark returns")),
+    Bad("parameter named n_valid", lambda: sv.walker_parallel(n_valid_parameter), sv.DecorationError,
+        ("n_valid_parameter", "'n_valid'", "rename the parameter")),
+    Bad("*args parameter", lambda: sv.walker_parallel(star_args), sv.DecorationError,
+        ("star_args", "parameter 'r'", "*args", "list the parameters explicitly")),
+    Bad("annotation that cannot be resolved", lambda: sv.walker_parallel(unresolvable), sv.DecorationError,
+        ("unresolvable", "UndefinedType", "could not be resolved", "define or import")),
+    Bad("replicated_args naming no parameter", lambda: sv.replicated_args("parms")(plain), sv.DecorationError,
+        ("plain", "replicated_args", "'parms'", "name parameters of the function exactly")),
+    Bad("replicated_args on a PerWalker-annotated parameter",
+        lambda: sv.walker_parallel(sv.replicated_args("params")(conflicting)), sv.DecorationError,
+        ("conflicting", "parameter 'params'", "replicated_args", "drop one of the two")),
+    Bad("decorating something that is not a function", lambda: sv.walker_parallel(3), sv.DecorationError,
+        ("walker_parallel", "int", "decorate a function")),
+    Bad("batch_size that is not a positive int", lambda: sv.walker_parallel(batch_size=0), ValueError,
+        ("walker_parallel", "batch_size", "positive int")),
+    # ------------------------------------------------ call time: walkers
+    Bad("PerWalker leaves of different walker counts", lambda: energy(ONE, {"a": R8, "b": np.ones((7, 3))}),
+        sv.CallError, ("energy", "'r'['a']", "'r'['b']", "8 walkers", "has 7", "walker axis first")),
+    Bad("PerWalker parameters of different walker counts", lambda: two_sets(R8, np.ones((6, 3))), sv.CallError,
+        ("two_sets", "'r'", "'s'", "has 6", "pass the same walkers")),
+    Bad("scalar PerWalker argument (no walker axis)", lambda: energy(ONE, np.float32(2.0)), sv.CallError,
+        ("energy", "'r'", "scalar", "leading walker axis")),
+    Bad("Python list instead of an array", lambda: energy(ONE, [1.0, 2.0, 3.0]), sv.CallError,
+        ("energy", "'r'[0]", "scalar", "jnp.asarray")),
+    Bad("string leaf in a PerWalker dataclass", lambda: energy(ONE, Walkers(r=R8, label="H2")), sv.CallError,
+        ("energy", "'r'.label", "not an array", "str", "mark the parameter Static")),
+    Bad("object array as a Replicated argument", lambda: energy(np.array([object()]), R8), sv.CallError,
+        ("energy", "Replicated parameter 'alpha'", "not an array", "pass arrays or numbers")),
+    Bad("empty walker set", lambda: energy(ONE, np.ones((0, 3), np.float32)), sv.CallError,
+        ("energy", "'r'", "zero walkers", "at least one walker")),
+    Bad("no PerWalker leaf at all (empty pytree)", lambda: energy(ONE, {}), sv.CallError,
+        ("energy", "no PerWalker argument", "mark at least one parameter PerWalker")),
+    Bad("walkers committed to another mesh's devices", lambda: energy(ONE, other_mesh_walkers()), sv.CallError,
+        ("energy", "PerWalker parameter 'r'", "other devices", "devices [0, 1, 2]", "sv.shard_walker(x, mesh)")),
+    # ------------------------------------------------ call time: keys, statics, n_valid, meshes
+    Bad("integer seed as WalkerKey", lambda: move(3, R8), sv.CallError,
+        ("move", "WalkerKey parameter 'key'", "int32[]", "jax.random.key(seed)", "pass ONE key")),
+    Bad("one key per walker as WalkerKey", lambda: move(jax.random.split(jax.random.key(0), 8), R8), sv.CallError,
+        ("move", "'key'", "key<fry>[8]", "pass ONE key")),
+    Bad("float array as WalkerKey", lambda: move(jnp.zeros(2), R8), sv.CallError,
+        ("move", "'key'", "float32[2]", "pass ONE key")),
+    Bad("unhashable Static (a list)", lambda: scaled(R8, [2, 2]), sv.UnhashableStaticError,
+        ("scaled", "Static parameter 'shape'", "list", "tuple instead of a list")),
+    Bad("array as a Static argument", lambda: scaled(R8, jnp.ones(2)), sv.UnhashableStaticError,
+        ("scaled", "'shape'", "unhashable", "mark the parameter Replicated")),
+    Bad("n_valid = 0", lambda: energy(ONE, R8, n_valid=0), sv.CallError,
+        ("energy", "n_valid=0", "outside 1..8", "sv.pad_walker")),
+    Bad("n_valid above the walker count", lambda: energy(ONE, R8, n_valid=9), sv.CallError,
+        ("energy", "n_valid=9", "outside 1..8", "omit n_valid")),
+    Bad("n_valid that is not an integer", lambda: energy(ONE, R8, n_valid=2.5), sv.CallError,
+        ("energy", "n_valid", "float", "integer")),
+    Bad("n_valid that is an array of counts", lambda: energy(ONE, R8, n_valid=jnp.array([4, 4])), sv.CallError,
+        ("energy", "n_valid", "int32[2]", "integer scalar array")),
+    Bad("mesh without the walker axis",
+        lambda: sv.walker_parallel(energy.__wrapped__, mesh=sv.create_mesh(axis_name="x"))(ONE, R8), sv.CallError,
+        ("energy", "no axis named 'walkers'", "{'x': 8}", "sv.create_mesh(axis_name='walkers')")),
+    Bad("list of devices instead of a mesh",
+        lambda: sv.walker_parallel(energy.__wrapped__, mesh=jax.devices())(ONE, R8), sv.CallError,
+        ("energy", "mesh", "not a jax.sharding.Mesh", "list", "sv.create_mesh")),
+    Bad("missing argument", lambda: energy(R8), TypeError, ("energy", "missing a required argument", "'r'")),
+    # ------------------------------------------------ call time: outputs
+    Bad("output leaf that is not an array", lambda: returns_text(R8), sv.CallError,
+        ("returns_text", "output['label']", "not an array", "return arrays or numbers")),
+    Bad("single output where the annotation marks a tuple", lambda: returns_one(R8), sv.CallError,
+        ("returns_one", "tuple of 2 outputs", "no tuple", "return a tuple matching")),
+    Bad("batched=True output without the walker axis", lambda: block_mean(R8), sv.CallError,
+        ("block_mean", "batched=True", "Mean output", "one row per walker")),
+    # ------------------------------------------------ toolkit
+    Bad("shard_walker: count the mesh cannot split", lambda: sv.shard_walker(np.ones((10, 3))), sv.CallError,
+        ("shard_walker", "10 walkers", "8 devices", "next: 16", "sv.pad_walker")),
+    Bad("shard_walker: leaves of different walker counts",
+        lambda: sv.shard_walker({"r": np.ones((8, 3)), "s": np.ones((4,))}), sv.CallError,
+        ("shard_walker", "['r'] has 8", "['s'] has 4", "walker axis first")),
+    Bad("shard_walker: string leaf", lambda: sv.shard_walker({"r": np.ones(8), "name": "H2"}), sv.CallError,
+        ("shard_walker", "leaf ['name']", "cannot be placed", "Static argument")),
+    Bad("walker_mean: n_valid out of range", lambda: sv.walker_mean(jnp.ones(8), n_valid=12), sv.CallError,
+        ("walker_mean", "n_valid=12", "outside 1..8", "sv.pad_walker")),
+    Bad("create_mesh: no devices", lambda: sv.create_mesh([]), sv.CallError,
+        ("create_mesh", "no devices", "at least one device")),
+    Bad("initialize_walkers_sharded: no key", lambda: sv.initialize_walkers_sharded(jnp.zeros, 8), sv.CallError,
+        ("initialize_walkers_sharded", "no key", "key=jax.random.key(seed)")),
+    Bad("save_walkers: metadata JSON cannot hold",
+        lambda: sv.save_walkers("/nonexistent/x.npz", {"r": R8}, metadata={"e": jnp.float32(1.0)}), sv.CallError,
+        ("save_walkers", "metadata", "JSON", "float(energy)")),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("bad", CATALOGUE, ids=[b.name for b in CATALOGUE])
+def test_bad_input_fails_clearly(bad: Bad) -> None:
+    with pytest.raises(bad.error) as info:
+        bad.trigger()
+    err = info.value
+    text = str(err)
+    missing = [f for f in bad.fragments if f not in text]
+    assert not missing, f"message lacks {missing}:\n{text}"
+    # Not an error of JAX or XLA, and not one that only JAX's machinery could explain.
+    assert not type(err).__module__.startswith(("jax", "jaxlib")), type(err)
+    assert isinstance(err, (sv.ShardvmcError, TypeError, ValueError))
+    for internal in ("XlaRuntimeError", "jax._src", "Tracer", "abstract array", "static_argnums"):
+        assert internal not in text, f"{internal!r} in:\n{text}"
+    if isinstance(err, sv.ShardvmcError):
+        assert "\n  fix:" in text, f"no fix section:\n{text}"
+
+
+def test_catalogue_has_twenty_distinct_inputs() -> None:
+    assert len({b.name for b in CATALOGUE}) == len(CATALOGUE) >= 20
+
+
+def test_catalogue_is_listed_in_the_docs() -> None:
+    table = DOCS.read_text()
+    rows = {m.group(1).strip() for m in re.finditer(r"^\|([^|]+)\|", table, re.MULTILINE)}
+    missing = [b.name for b in CATALOGUE if b.name not in rows]
+    assert not missing, f"docs/reliability.md lacks rows for {missing}"
+    for bad in CATALOGUE:
+        assert f"`{bad.error.__name__}`" in table
+
+
+def test_traced_n_valid_is_not_checked_but_masks() -> None:
+    """Inside an outer jit n_valid is a tracer: it cannot be range-checked, and it still masks."""
+
+    @jax.jit
+    def run(r: jax.Array, n: jax.Array) -> jax.Array:
+        return energy(ONE, r, n_valid=n)
+
+    r = jnp.arange(8.0)
+    assert float(run(r, 3)) == pytest.approx(float(jnp.mean(r[:3] ** 2)))
+
+
+def test_explained_errors_keep_the_happy_path_working() -> None:
+    """The error path reports the cause; the same kernel then runs on good input."""
+    with pytest.raises(sv.CallError):
+        energy(ONE, Walkers(r=R8, label="H2"))
+    assert float(energy(ONE, R8)) == pytest.approx(6.0)
+
+
+def test_user_errors_inside_the_function_are_not_rewritten() -> None:
+    """A TypeError raised by the user's own code passes through unchanged."""
+
+    @sv.walker_parallel
+    def broken(r: PerWalker[jax.Array]) -> Sum:
+        raise TypeError("my own bug")
+
+    with pytest.raises(TypeError, match="^my own bug"):
+        broken(R8)

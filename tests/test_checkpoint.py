@@ -1,0 +1,401 @@
+"""Walker checkpoints: round trips onto other meshes, atomic writes, damaged files, several processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import shardvmc as sv
+import shardvmc._checkpoint as checkpoint_module
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@chex.dataclass
+class State:
+    r: Any
+    spin: Any
+
+
+def walkers_on(mesh: Any, n: int, seed: int = 0) -> tuple[dict, int]:
+    """A walker pytree of every supported leaf kind, padded for ``mesh``; returns (tree, n)."""
+    rng = np.random.default_rng(seed)
+    host = {
+        "state": State(r=rng.normal(size=(n, 2, 3)).astype(np.float32), spin=rng.integers(0, 2, (n,)).astype(np.int32)),
+        "moved": rng.random(n) < 0.5,
+        "log_psi": (rng.normal(size=n).astype(jnp.bfloat16),),
+        "keys": jax.random.split(jax.random.key(seed), n),
+        "step": np.int32(17),
+    }
+    padded, n = sv.pad_walker(host, sv.pad_n_walkers(n, mesh.size))
+    return sv.shard_walker(padded, mesh), n
+
+
+def assert_same_walkers(got: Any, want: Any, n: int) -> None:
+    """The first ``n`` walkers (and the scalar leaves) of two walker pytrees are equal, dtypes included."""
+    for (path, g), w in zip(jax.tree_util.tree_flatten_with_path(got)[0], jax.tree_util.tree_leaves(want)):
+        name = jax.tree_util.keystr(path)
+        assert g.dtype == w.dtype, name
+        walker_leaf = g.ndim > 0
+        if jnp.issubdtype(g.dtype, jax.dtypes.prng_key):
+            g, w = jax.random.key_data(g), jax.random.key_data(w)
+        g, w = np.asarray(g), np.asarray(w)
+        if walker_leaf:
+            g, w = g[:n], w[:n]
+        np.testing.assert_array_equal(g, w, err_msg=name)
+
+
+def test_restore_from_8_devices_onto_another_mesh(tmp_path: Path, mesh: Any) -> None:
+    """Saved from 8 devices (20 walkers padded to 24), restored onto 1, 3 or 8: same walkers, re-padded."""
+    saved_on = sv.create_mesh(jax.devices()[:8])
+    walkers, n = walkers_on(saved_on, 20)
+    assert walkers["moved"].shape == (24,)
+    path = sv.save_walkers(tmp_path / "walkers.npz", walkers, n_valid=n, metadata={"step": 1000, "energy": -2.9})
+
+    restored, n_valid, meta = sv.load_walkers(path, walkers, mesh)
+
+    assert n_valid == 20 and meta == {"step": 1000, "energy": -2.9}
+    n_pad = sv.pad_n_walkers(20, mesh.size)
+    assert_same_walkers(restored, walkers, 20)
+    for path_, leaf in jax.tree_util.tree_flatten_with_path(restored)[0]:
+        name = jax.tree_util.keystr(path_)
+        assert leaf.sharding.mesh == mesh, name
+        if name == "['step']":
+            assert leaf.shape == () and leaf.sharding.spec == P() and int(leaf) == 17
+            continue
+        assert leaf.shape[0] == n_pad and leaf.sharding.spec == P("walkers"), name
+        data = np.asarray(jax.random.key_data(leaf) if jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key) else leaf)
+        np.testing.assert_array_equal(data[20:], np.repeat(data[:1], n_pad - 20, axis=0), err_msg=name)
+    assert restored["log_psi"][0].dtype == jnp.bfloat16
+    assert jax.random.key_impl(restored["keys"]) == jax.random.key_impl(walkers["keys"])
+
+
+def test_resumed_chain_continues_the_uninterrupted_one(tmp_path: Path) -> None:
+    """Ten steps on 8 devices = five on 8, save, restore on 3, five more (WalkerKey streams are mesh-free)."""
+
+    def make_step(mesh: Any) -> sv.WalkerParallel:
+        @sv.walker_parallel(mesh=mesh)
+        def step(key: sv.WalkerKey, r: sv.PerWalker[jax.Array]) -> sv.PerWalker[jax.Array]:
+            proposal = r + 0.5 * jax.random.normal(key, r.shape)
+            return jnp.where(jnp.sum(proposal**2) < jnp.sum(r**2) + 1.0, proposal, r)
+
+        return step
+
+    mesh8, mesh3 = sv.create_mesh(jax.devices()[:8]), sv.create_mesh(jax.devices()[:3])
+    step8, step3 = make_step(mesh8), make_step(mesh3)
+    key = jax.random.key(3)
+    r = sv.initialize_walkers_sharded(lambda k: jax.random.normal(k, (3,)), 13, mesh8, key=key)
+    uninterrupted = r
+    for t in range(10):
+        uninterrupted = step8(jax.random.fold_in(key, t), uninterrupted)
+    for t in range(5):
+        r = step8(jax.random.fold_in(key, t), r)
+    sv.save_walkers(tmp_path / "chain.npz", {"r": r}, n_valid=13, metadata={"t": 5})
+    restored, n_valid, meta = sv.load_walkers(tmp_path / "chain.npz", {"r": r}, mesh3)
+    r = restored["r"]
+    for t in range(meta["t"], 10):
+        r = step3(jax.random.fold_in(key, t), r)
+    np.testing.assert_allclose(np.asarray(r)[:n_valid], np.asarray(uninterrupted)[:13], rtol=1e-6, atol=1e-6)
+
+
+def test_like_may_be_shape_dtype_structs_and_n_valid_defaults_to_all(tmp_path: Path) -> None:
+    tree = (np.arange(12, dtype=np.float32).reshape(6, 2), {"w": np.arange(6, dtype=np.int32)})
+    sv.save_walkers(tmp_path / "c.npz", tree)
+    like = (jax.ShapeDtypeStruct((1, 2), jnp.float32), {"w": jax.ShapeDtypeStruct((1,), jnp.int32)})
+    out, n_valid, meta = sv.load_walkers(tmp_path / "c.npz", like, sv.create_mesh(jax.devices()[:4]))
+    assert n_valid == 6 and meta == {}
+    assert out[0].shape == (8, 2) and out[1]["w"].shape == (8,)
+    np.testing.assert_array_equal(np.asarray(out[0])[:6], tree[0])
+
+
+def test_x64_walkers_round_trip_and_need_x64_to_load(tmp_path: Path) -> None:
+    with jax.enable_x64(True):
+        x = jnp.arange(8, dtype=jnp.float64) / 3
+        sv.save_walkers(tmp_path / "x64.npz", {"x": x})
+        out = sv.load_walkers(tmp_path / "x64.npz", {"x": x}).walkers["x"]
+        assert out.dtype == jnp.float64
+        np.testing.assert_array_equal(np.asarray(out), np.asarray(x))
+    with pytest.raises(sv.CallError, match=r"(?s)leaf \['x'\] was saved as float64, but `like` has float32.*x64"):
+        sv.load_walkers(tmp_path / "x64.npz", {"x": jnp.zeros(1)})
+
+
+def test_the_use_mesh_mesh_is_the_default(tmp_path: Path) -> None:
+    sv.save_walkers(tmp_path / "c.npz", {"r": np.ones((5, 2), np.float32)})
+    mesh = sv.create_mesh(jax.devices()[:2])
+    with sv.use_mesh(mesh):
+        r = sv.load_walkers(tmp_path / "c.npz", {"r": np.ones((1, 2), np.float32)}).walkers["r"]
+    assert r.sharding.mesh == mesh and r.shape == (6, 2)
+
+
+def test_saving_replaces_the_file_and_leaves_no_temporary_files(tmp_path: Path) -> None:
+    path = tmp_path / "c.npz"
+    sv.save_walkers(path, {"r": np.zeros((4, 3), np.float32)}, metadata={"v": 1})
+    sv.save_walkers(path, {"r": np.ones((4, 3), np.float32)}, metadata={"v": 2})
+    ck = sv.load_walkers(path, {"r": np.zeros((1, 3), np.float32)})
+    assert ck.metadata == {"v": 2} and float(ck.walkers["r"].sum()) == 12.0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.npz"]
+    with np.load(path, allow_pickle=False) as data:  # a plain .npz that NumPy reads without pickle
+        header = json.loads(bytes(data["__shardvmc__"]).decode())
+    assert header["format"] == "shardvmc-walkers" and header["n_valid"] == 4
+
+
+def test_a_failed_write_keeps_the_previous_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "c.npz"
+    sv.save_walkers(path, {"r": np.zeros((4, 3), np.float32)}, metadata={"v": 1})
+
+    def half_then_fail(file: Any, **arrays: Any) -> None:
+        file.write(b"PK\x03\x04 partial")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(checkpoint_module.np, "savez", half_then_fail)
+    with pytest.raises(OSError, match="disk full"):
+        sv.save_walkers(path, {"r": np.ones((4, 3), np.float32)}, metadata={"v": 2})
+    monkeypatch.undo()
+    assert sv.load_walkers(path, {"r": np.zeros((1, 3), np.float32)}).metadata == {"v": 1}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.npz"]
+
+
+WRITER = textwrap.dedent(
+    """
+    import os, sys
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    import numpy as np
+    import shardvmc as sv
+
+    path, n = sys.argv[1], int(sys.argv[2])
+    sv.save_walkers(path, {"r": np.zeros((4, 3), np.float32)}, metadata={"version": 0})
+    print("ready", flush=True)
+    big = np.empty((n, 3), np.float32)
+    version = 0
+    while True:
+        version += 1
+        big.fill(version)
+        sv.save_walkers(path, {"r": big}, metadata={"version": version})
+    """
+)
+
+
+def test_a_writer_killed_mid_write_leaves_the_previous_checkpoint(tmp_path: Path) -> None:
+    """SIGKILL while a large checkpoint is being written: the file at `path` is still a complete checkpoint."""
+    script = tmp_path / "writer.py"
+    script.write_text(WRITER)
+    path = tmp_path / "walkers.npz"
+    n = 8_000_000  # 96 MB per checkpoint
+    full_size = n * 3 * 4
+    proc = subprocess.Popen(
+        [sys.executable, str(script), str(path), str(n)], stdout=subprocess.PIPE, text=True, cwd=tmp_path
+    )
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        partial = None
+        deadline = time.monotonic() + 120
+        while partial is None and time.monotonic() < deadline and proc.poll() is None:
+            for tmp in tmp_path.glob(".walkers.npz.*.tmp"):
+                try:
+                    size = tmp.stat().st_size
+                except FileNotFoundError:
+                    continue
+                if 2**20 < size < full_size:
+                    os.kill(proc.pid, signal.SIGKILL)
+                    partial = tmp
+                    break
+            time.sleep(0.0005)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert partial is not None, "never saw a checkpoint being written"
+    assert proc.returncode == -signal.SIGKILL
+
+    like = {"r": np.zeros((1, 3), np.float32)}
+    walkers, n_valid, meta = sv.load_walkers(path, like, sv.create_mesh(jax.devices()[:1]))
+    r = np.asarray(walkers["r"])
+    if meta["version"] == 0:
+        assert n_valid == 4 and not r.any()
+    else:  # a complete earlier big checkpoint
+        assert n_valid == n and (r == meta["version"]).all()
+    # What a non-atomic writer would have left behind is detected as damaged.
+    if partial.exists() and partial.stat().st_size < full_size:
+        with pytest.raises(sv.CallError, match="truncated or corrupted"):
+            sv.load_walkers(partial, like)
+
+
+# ---------------------------------------------------------------- damaged and mismatched files
+
+
+@pytest.fixture
+def saved(tmp_path: Path) -> tuple[Path, dict]:
+    tree = {"r": np.arange(24, dtype=np.float32).reshape(8, 3), "spin": np.ones(8, np.int32)}
+    return sv.save_walkers(tmp_path / "c.npz", tree, n_valid=6), tree
+
+
+def test_truncated_file(saved: tuple[Path, dict]) -> None:
+    path, tree = saved
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(sv.CallError, match=r"(?s)load_walkers: '.*c\.npz' is truncated or corrupted.*fix:"):
+        sv.load_walkers(path, tree)
+
+
+def test_corrupted_bytes_fail_the_checksum(saved: tuple[Path, dict]) -> None:
+    path, tree = saved
+    data = bytearray(path.read_bytes())
+    with zipfile.ZipFile(path) as z:  # flip a byte inside the walker data, not in the zip structure
+        info = z.getinfo("leaf_0.npy")
+    offset = info.header_offset + 30 + len(info.filename) + len(info.extra) + 100
+    data[offset] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(sv.CallError, match="truncated or corrupted"):
+        sv.load_walkers(path, tree)
+
+
+@pytest.mark.parametrize(
+    ("write", "excerpt"),
+    [
+        (lambda p: p.write_bytes(b"not a zip file at all"), "truncated or corrupted"),
+        (lambda p: np.savez(p.open("wb"), r=np.ones(3)), "without a shardvmc header"),
+        (lambda p: np.save(p.open("wb"), np.ones(3)), "single .npy array"),
+    ],
+    ids=["garbage", "plain-npz", "npy"],
+)
+def test_files_that_are_not_checkpoints(tmp_path: Path, write: Any, excerpt: str) -> None:
+    path = tmp_path / "c.npz"
+    write(path)
+    with pytest.raises(sv.CallError, match=excerpt):
+        sv.load_walkers(path, {"r": np.ones((1, 3))})
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError):
+        sv.load_walkers(tmp_path / "nothing.npz", {"r": np.ones((1, 3))})
+
+
+@pytest.mark.parametrize(
+    ("like", "excerpts"),
+    [
+        ({"r": np.zeros((1, 3), np.float32)}, ["another structure", "only in the file: [\"['spin']\"]"]),
+        (
+            {"r": np.zeros((1, 3), np.float32), "spin": np.ones(1, np.int32), "w": np.ones(1)},
+            ["another structure", "only in `like`: [\"['w']\"]"],
+        ),
+        ({"r": np.zeros((1, 3), np.float32), "spin": np.ones(1, np.float32)}, ["leaf ['spin']", "int32", "float32"]),
+        ({"r": np.zeros((1, 4), np.float32), "spin": np.ones(1, np.int32)}, ["leaf ['r']", "(6, 3)", "(n_walkers, 4)"]),
+        ({"r": np.zeros((1, 3), np.float32), "spin": np.int32(1)}, ["leaf ['spin']", "a scalar, as in `like`"]),
+        (({"r": np.zeros((1, 3), np.float32)}, np.ones(1)), ["another structure"]),
+    ],
+    ids=["missing-leaf", "extra-leaf", "dtype", "trailing-shape", "scalar-vs-walkers", "other-nesting"],
+)
+def test_mismatched_like_names_what_differs(saved: tuple[Path, dict], like: Any, excerpts: list[str]) -> None:
+    path, _ = saved
+    with pytest.raises(sv.CallError) as info:
+        sv.load_walkers(path, like)
+    text = str(info.value)
+    assert text.startswith("load_walkers: ") and "\n  fix:" in text
+    for excerpt in excerpts:
+        assert excerpt in text, text
+
+
+def test_save_rejects_bad_arguments(tmp_path: Path) -> None:
+    tree = {"r": np.ones((8, 3), np.float32)}
+    with pytest.raises(sv.CallError, match=r"save_walkers: n_valid=9 is outside 1..8"):
+        sv.save_walkers(tmp_path / "c.npz", tree, n_valid=9)
+    with pytest.raises(sv.CallError, match="save_walkers: metadata must be a dict"):
+        sv.save_walkers(tmp_path / "c.npz", tree, metadata=[1, 2])
+    with pytest.raises(sv.CallError, match=r"(?s)save_walkers: metadata cannot be stored as JSON.*float\(energy\)"):
+        sv.save_walkers(tmp_path / "c.npz", tree, metadata={"e": np.float32(1)})
+    with pytest.raises(sv.CallError, match="save_walkers: the leaves of tree have different leading"):
+        sv.save_walkers(tmp_path / "c.npz", {"r": np.ones((8, 3)), "s": np.ones(7)})
+    assert list(tmp_path.iterdir()) == []
+
+
+# ---------------------------------------------------------------- several processes
+
+MULTIPROCESS = textwrap.dedent(
+    """
+    import json, os, sys
+    process_id, port, path = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    import jax
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=process_id)
+    import numpy as np
+    import shardvmc as sv
+    import shardvmc._checkpoint as checkpoint
+
+    writes = []
+    write = checkpoint._write_atomic
+    checkpoint._write_atomic = lambda *args: (writes.append(process_id), write(*args))[1]
+
+    mesh = sv.create_mesh()  # 4 devices, 2 per process
+    r = sv.initialize_walkers_sharded(lambda k: jax.random.normal(k, (3,)), 10, mesh, key=jax.random.key(1))
+    everything = sv.gather_walkers(r)
+    sv.save_walkers(path, {"r": r}, n_valid=10, metadata={"written_by": process_id})
+    assert os.path.exists(path)  # every process returns once the file is there
+
+    # Restore onto a mesh of one device per process: 10 walkers padded to 10, 5 per process.
+    small = sv.create_mesh([next(d for d in jax.devices() if d.process_index == p) for p in range(2)])
+    restored, n_valid, meta = sv.load_walkers(path, {"r": r}, small)
+    shards = restored["r"].addressable_shards
+    assert len(shards) == 1 and shards[0].device.process_index == process_id
+    mine = np.asarray(shards[0].data)
+    assert np.array_equal(mine, everything[:10][shards[0].index]), process_id
+    print(json.dumps({"id": process_id, "writes": writes, "n_valid": n_valid, "meta": meta,
+                      "rows": shards[0].index[0].start}), flush=True)
+    jax.distributed.shutdown()
+    """
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_several_processes_one_writer_each_loads_its_part(tmp_path: Path) -> None:
+    script = tmp_path / "worker.py"
+    script.write_text(MULTIPROCESS)
+    port, path = str(_free_port()), str(tmp_path / "walkers.npz")
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(i), port, path],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+            cwd=tmp_path,
+        )
+        for i in range(2)
+    ]
+    outputs = []
+    try:
+        for proc in procs:
+            out, err = proc.communicate(timeout=180)
+            assert proc.returncode == 0, err[-3000:]
+            outputs.append(json.loads(out.strip().splitlines()[-1]))
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+    assert [o["writes"] for o in outputs] == [[0], []]  # only process 0 wrote
+    assert all(o["n_valid"] == 10 and o["meta"] == {"written_by": 0} for o in outputs)
+    assert sorted(o["rows"] for o in outputs) == [0, 5]  # each process holds its own half
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["walkers.npz", "worker.py"]

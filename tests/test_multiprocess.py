@@ -1,0 +1,408 @@
+"""Multi-process runs with real processes: 2 processes x 2 fake CPU devices, gloo, loopback only.
+
+Every JAX group is started through the launcher (``python -m shardvmc.launch``). The
+launches are started together when the module's first test needs them, in parallel,
+and each test waits for its own; one launch of ``tests/mp_worker.py`` serves every
+toolkit and kernel check. Results are compared with numpy and with the same code run in
+this process on 4 devices.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import io
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import shardvmc as sv
+from shardvmc import distributed, launch
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = ROOT / "tests" / "mp_worker.py"
+EXAMPLE = ROOT / "examples" / "helium_vmc.py"
+HELIUM_ARGS = ["--walkers", "256", "--steps", "3", "--eval-steps", "1", "--seed", "7"]
+WAIT_S = 240  # a bound against hangs only; the launches take seconds
+
+_spec = importlib.util.spec_from_file_location("mp_worker", WORKER)
+assert _spec is not None and _spec.loader is not None
+mp_worker = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(mp_worker)
+
+
+def _clean_env(devices: int | None = None) -> dict[str, str]:
+    """This environment without the test process's device count and launcher variables."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SHARDVMC_")}
+    env["XLA_FLAGS"] = launch._DEVICE_COUNT_FLAG.sub("", env.get("XLA_FLAGS", "")).strip()
+    if devices is not None:
+        env["XLA_FLAGS"] = f"{env['XLA_FLAGS']} --xla_force_host_platform_device_count={devices}".strip()
+        env["JAX_PLATFORMS"] = "cpu"
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH", "")]))
+    return env
+
+
+def _launcher(*command: str, processes: int = 2, devices: int = 2, timeout: float = WAIT_S) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "shardvmc.launch",
+        "--processes",
+        str(processes),
+        "--devices-per-process",
+        str(devices),
+        "--timeout",
+        str(timeout),
+        "--",
+        *command,
+    ]
+
+
+class Run:
+    """A started command; ``wait()`` gives its exit code and output, ``ended`` its end time."""
+
+    def __init__(self, command: list[str], env: dict[str, str]) -> None:
+        self.command = command
+        self.proc = subprocess.Popen(
+            command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        self.output = ""
+        self.ended: float | None = None
+        self._thread = threading.Thread(target=self._collect, daemon=True)
+        self._thread.start()
+
+    def _collect(self) -> None:
+        self.output, _ = self.proc.communicate()
+        self.ended = time.time()
+
+    def wait(self) -> tuple[int, str]:
+        self._thread.join(WAIT_S)
+        if self._thread.is_alive():
+            self.proc.kill()
+            self._thread.join(10)
+            pytest.fail(f"{' '.join(self.command)} did not finish within {WAIT_S} s:\n{self.output}")
+        return self.proc.returncode, self.output
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self._thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """Every multi-process launch of this module, started at once."""
+    tmp = tmp_path_factory.mktemp("multiprocess")
+    (tmp / "toolkit").mkdir()
+    started: dict[str, Any] = {"tmp": tmp}
+    py = sys.executable
+    try:
+        started["toolkit"] = Run(_launcher(py, str(WORKER), "toolkit", str(tmp / "toolkit")), _clean_env())
+        started["crash"] = Run(_launcher(py, str(WORKER), "crash", str(tmp)), _clean_env())
+        if EXAMPLE.exists():
+            started["helium"] = Run(
+                _launcher(py, str(EXAMPLE), *HELIUM_ARGS, "--json", str(tmp / "helium_mp.json")), _clean_env()
+            )
+            started["helium_reference"] = Run(
+                [py, str(EXAMPLE), *HELIUM_ARGS, "--devices", "4", "--json", str(tmp / "helium_1.json")],
+                _clean_env(devices=4),
+            )
+        yield started
+    finally:
+        for run in started.values():
+            if isinstance(run, Run):
+                run.stop()
+
+
+@pytest.fixture(scope="module")
+def toolkit(runs: Any) -> list[dict[str, Any]]:
+    """The results of process 0 and process 1 of the toolkit launch."""
+    code, output = runs["toolkit"].wait()
+    assert code == 0, output
+    return [json.loads((runs["tmp"] / "toolkit" / f"result_{p}.json").read_text()) for p in (0, 1)]
+
+
+@pytest.fixture(scope="module")
+def single_process() -> dict[str, Any]:
+    """The same checks in this one process, on a mesh of 4 of its devices."""
+    return json.loads(json.dumps(mp_worker.checks(sv.create_mesh(jax.devices()[:4]))))
+
+
+def assert_close(got: Any, want: Any, rtol: float = 1e-5, atol: float = 1e-6, where: str = "") -> None:
+    """Compare nested dicts of (nested lists of) numbers, naming the key path that differs."""
+    if isinstance(want, dict):
+        assert isinstance(got, dict) and got.keys() == want.keys(), where
+        for key in want:
+            assert_close(got[key], want[key], rtol, atol, f"{where}[{key!r}]")
+        return
+    try:
+        want_array = np.asarray(want, np.float64)
+    except ValueError:  # a list of outputs of different shapes (a tuple of kernel outputs)
+        assert isinstance(got, list) and len(got) == len(want), where
+        for i, (g, w) in enumerate(zip(got, want)):
+            assert_close(g, w, rtol, atol, f"{where}[{i}]")
+        return
+    np.testing.assert_allclose(np.asarray(got, np.float64), want_array, rtol, atol, err_msg=where)
+
+
+# ---------------------------------------------------------------- the group
+
+
+def test_processes_form_one_group_of_four_devices(toolkit):
+    for p, result in enumerate(toolkit):
+        facts = result["facts"]
+        assert facts["launched"] is True
+        assert facts["process_index"] == p
+        assert facts["process_count"] == 2
+        assert facts["devices"] == 4
+        assert facts["local_devices"] == facts["n_devices"] == 2
+        assert facts["mesh_processes"] == [0, 0, 1, 1]  # sv.create_mesh() spans every process
+        assert facts["fully_addressable"] is False
+
+
+def test_initialize_selects_gloo_and_second_call(toolkit):
+    for result in toolkit:
+        facts = result["facts"]
+        # The worker switched the CPU collectives off before initialize().
+        assert facts["collectives"] == "gloo"
+        assert facts["gloo_host"] == "127.0.0.1"  # gloo, like the coordinator, stays on loopback
+        assert facts["initialize"]["same_again"] is True
+        assert "already initialised" in facts["initialize"]["different"]
+        assert "num_processes=3" in facts["initialize"]["different"]
+
+
+def test_every_process_sees_the_same_results(toolkit):
+    assert toolkit[0]["checks"] == toolkit[1]["checks"]
+
+
+# ---------------------------------------------------------------- toolkit, against known values
+
+
+def test_shard_walker_from_host_data(toolkit):
+    r = mp_worker.host_walkers()
+    for p, result in enumerate(toolkit):
+        out = result["checks"]["shard_walker"]
+        np.testing.assert_array_equal(np.asarray(out["value"]["r"], np.float32), r)
+        assert out["value"]["step"] == 3
+        assert out["spec"] == {"r": "P('walkers',)", "step": "P()"}
+        # Each process holds the rows of its own two devices, and they are the right ones.
+        assert result["facts"]["shard_rows"] == [[4 * p, 4 * p + 2], [4 * p + 2, 4 * p + 4]]
+        assert result["facts"]["shard_ok"] is True
+        jax_input = result["checks"]["shard_walker_jax"]
+        np.testing.assert_array_equal(np.asarray(jax_input["value"], np.float32), r)
+        assert jax_input["spec"] == "P('walkers',)"
+
+
+def test_replicate_from_host_data(toolkit):
+    for result in toolkit:
+        out = result["checks"]["replicate"]
+        assert out["value"] == {"a": 1.5, "v": [0.0, 1.0, 2.0]}
+        assert out["spec"] == {"a": "P()", "v": "P()"}
+        assert out["fully_replicated"] == [True, True]
+
+
+def test_initialize_walkers_sharded_matches_unsharded_reference(toolkit):
+    keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(jax.random.key(42), jnp.arange(mp_worker.N_UNEVEN))
+    expected = jax.vmap(mp_worker.init_walker)(keys)
+    for p, result in enumerate(toolkit):
+        out = result["checks"]["initialize_walkers_sharded"]
+        assert out["spec"] == {"r": "P('walkers',)", "w": "P('walkers',)"}
+        for name in ("r", "w"):
+            value = np.asarray(out["value"][name])
+            assert value.shape[0] == 12  # padded to the 4 global devices
+            np.testing.assert_allclose(value[: mp_worker.N_UNEVEN], expected[name], rtol=1e-6)
+        # Process p created (and holds) only the walkers of its own devices: 3 per device.
+        assert result["facts"]["init_rows"] == [[6 * p, 6 * p + 3], [6 * p + 3, 6 * p + 6]]
+        host = result["checks"]["initialize_walkers_sharded_host"]
+        assert host["value"] == [*range(10), 0, 0]  # padding repeats walker 0
+        assert host["spec"] == "P('walkers',)"
+        restarted = result["checks"]["initialize_walkers_sharded_global"]
+        np.testing.assert_array_equal(np.asarray(restarted["value"], np.float32), mp_worker.host_walkers())
+        assert restarted["spec"] == "P('walkers',)"
+        uneven = mp_worker.host_walkers(mp_worker.N_UNEVEN)
+        padded = result["checks"]["initialize_walkers_sharded_global_uneven"]
+        np.testing.assert_array_equal(
+            np.asarray(padded["value"], np.float32), np.concatenate([uneven, uneven[:1].repeat(2, 0)])
+        )
+        assert padded["spec"] == "P('walkers',)"
+
+
+def test_assemble_sharded_from_local_pytrees(toolkit):
+    for result in toolkit:
+        out = result["checks"]["assemble_sharded"]
+        assert out["value"] == {"r": [0, 1, 10, 11, 20, 21, 30, 31], "t": 7.0}
+        assert out["spec"] == {"r": "P('walkers',)", "t": "P()"}
+
+
+def test_reductions_are_replicated_and_correct(toolkit):
+    r = mp_worker.host_walkers()
+    jac, vec = mp_worker.host_jacobian()
+    expected = {
+        "walker_mean": r[:5].mean(0),
+        "walker_mean_tree": {"a": r.mean(0), "b": vec.mean()},
+        "walker_sum": vec.sum(),
+        "walker_sum_host_uneven": np.arange(7.0).sum(),
+        "jtj": jac[:6].T @ jac[:6],
+        "jtv": jac[:6].T @ vec[:6],
+    }
+    for result in toolkit:
+        for name, want in expected.items():
+            got = result["checks"]["reductions"][name]
+            assert got["fully_replicated"] is True, name
+            assert_close(got["value"], want, where=name)
+
+
+def test_kernels_match_numpy(toolkit):
+    r = mp_worker.host_walkers()
+    ru = mp_worker.host_walkers(mp_worker.N_UNEVEN)
+    alpha = 0.7
+    norms = np.linalg.norm(r, axis=-1).sum(-1)
+    noise = jax.vmap(lambda i: jax.random.normal(jax.random.fold_in(jax.random.key(3), i)))(jnp.arange(10))
+    for result in toolkit:
+        k = result["checks"]["kernels"]
+        np.testing.assert_allclose(k["mean_host"], alpha * (r**2).sum((1, 2)).mean(), rtol=1e-5)
+        np.testing.assert_allclose(k["mean_sharded_n_valid"], alpha * (r[:5] ** 2).sum((1, 2)).mean(), rtol=1e-5)
+        np.testing.assert_allclose(k["mean_uneven"], alpha * (ru**2).sum((1, 2)).mean(), rtol=1e-5)
+        np.testing.assert_allclose(k["per_walker_key"], alpha * r.sum((1, 2)) + noise[:8], rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(k["per_walker_key_uneven"], alpha * ru.sum((1, 2)) + noise, rtol=1e-5, atol=1e-6)
+        scaled, mean_grad, total = k["tuple_n_valid"]
+        np.testing.assert_allclose(scaled, -2.0 * norms, rtol=1e-5)  # d log_psi / d alpha, per walker
+        np.testing.assert_allclose(mean_grad, -norms[:6].mean(), rtol=1e-5)
+        np.testing.assert_allclose(total, r[:6].sum(0).sum(0), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(k["shard_vmap"], (r**2).sum((1, 2)), rtol=1e-6)
+        assert result["checks"]["kernel_specs"] == {"per_walker_key": "P('walkers',)", "mean_host": "P()"}
+
+
+def test_everything_equals_the_single_process_run(toolkit, single_process):
+    for result in toolkit:
+        multi = result["checks"]
+        assert multi.keys() == single_process.keys()
+        for name in multi:
+            if name.endswith("spec") or name.endswith("specs"):
+                assert multi[name] == single_process[name], name
+            elif name in ("kernels", "reductions"):
+                assert_close(multi[name], single_process[name], rtol=1e-6, atol=1e-7, where=name)
+            else:  # placement: exactly the same values and shardings
+                assert multi[name] == single_process[name], name
+
+
+# ---------------------------------------------------------------- the example
+
+
+def test_helium_example_matches_one_process_with_four_devices(runs):
+    if "helium" not in runs:
+        pytest.fail(f"{EXAMPLE} does not exist; the multi-process example run cannot be checked.")
+    code, output = runs["helium"].wait()
+    assert code == 0, output
+    ref_code, ref_output = runs["helium_reference"].wait()
+    assert ref_code == 0, ref_output
+    multi = json.loads((runs["tmp"] / "helium_mp.json").read_text())
+    single = json.loads((runs["tmp"] / "helium_1.json").read_text())
+    assert (multi["processes"], multi["devices"]) == (2, 4)
+    assert (single["processes"], single["devices"]) == (1, 4)
+    assert len(multi["energies"]) == len(single["energies"]) == 4
+    assert np.all(np.isfinite(multi["energies"]))
+    np.testing.assert_allclose(multi["energies"], single["energies"], rtol=1e-5)
+    # Process 0 alone reports.
+    lines = output.splitlines()
+    assert any(line.startswith("[0] ") and "E =" in line for line in lines), output
+    assert not any(line.startswith("[1] ") and "E =" in line for line in lines), output
+
+
+# ---------------------------------------------------------------- failures end the run
+
+
+def test_a_crashing_process_ends_the_run_promptly(runs):
+    code, output = runs["crash"].wait()
+    assert code == 3, output
+    assert "[launch] process 1 exited with code 3; stopping the others." in output
+    crashed_at = float(output.split("crashing at ")[1].split()[0])
+    # Process 0 would sleep for 600 s: the launcher stopped it (a hang guard, not a benchmark).
+    assert runs["crash"].ended - crashed_at < 30, output
+
+
+def _launch_quietly(command: list[str], processes: int, timeout: float | None = None) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    code = launch.launch(command, processes, timeout=timeout, env=_clean_env(), stdout=out, stderr=err)
+    return code, out.getvalue(), err.getvalue()
+
+
+def test_launcher_exit_code_and_prefixes_without_jax():
+    script = (
+        "import os, sys, time\n"
+        "pid = int(os.environ['SHARDVMC_PROCESS_ID'])\n"
+        "print('hello from', pid, 'of', os.environ['SHARDVMC_NUM_PROCESSES'], flush=True)\n"
+        "time.sleep(600) if pid == 0 else sys.exit(5)\n"
+    )
+    code, out, err = _launch_quietly([sys.executable, "-c", script], 2)
+    assert code == 5
+    assert sorted(out.splitlines()) == ["[0] hello from 0 of 2", "[1] hello from 1 of 2"]
+    assert "process 1 exited with code 5; stopping the others" in err
+
+
+def test_launcher_timeout():
+    code, _, err = _launch_quietly([sys.executable, "-c", "import time; time.sleep(600)"], 2, timeout=0.5)
+    assert code == launch.TIMEOUT_EXIT_CODE
+    assert "timeout after 0.5 s" in err
+
+
+def test_launcher_environment_is_loopback_only():
+    env = launch.process_env({"XLA_FLAGS": "--foo --xla_force_host_platform_device_count=8"}, "127.0.0.1:5555", 3, 2, 2)
+    assert env["SHARDVMC_COORDINATOR_ADDRESS"] == "127.0.0.1:5555"
+    assert env["JAX_COORDINATOR_BIND_ADDRESS"] == "127.0.0.1:5555"  # not JAX's default of every interface
+    assert (env["SHARDVMC_NUM_PROCESSES"], env["SHARDVMC_PROCESS_ID"]) == ("3", "2")
+    assert env["XLA_FLAGS"] == "--foo --xla_force_host_platform_device_count=2"
+    assert env["JAX_PLATFORMS"] == "cpu"
+    assert "JAX_PLATFORMS" not in launch.process_env({}, "127.0.0.1:5555", 2, 0)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["--processes", "2"], ["--processes", "0", "--", "true"], ["--processes", "2", "--devices-per-process", "0"]],
+)
+def test_launcher_rejects_bad_command_lines(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        launch.main(argv)
+    assert exc.value.code == 2
+
+
+# ---------------------------------------------------------------- initialize in this (single) process
+
+
+def test_is_launched_reads_the_launcher_variables(monkeypatch):
+    for name in (distributed.ENV_COORDINATOR, distributed.ENV_NUM_PROCESSES, distributed.ENV_PROCESS_ID):
+        monkeypatch.delenv(name, raising=False)
+    assert not sv.distributed.is_launched()
+    monkeypatch.setenv(distributed.ENV_COORDINATOR, "127.0.0.1:1")
+    monkeypatch.setenv(distributed.ENV_NUM_PROCESSES, "2")
+    assert not sv.distributed.is_launched()
+    monkeypatch.setenv(distributed.ENV_PROCESS_ID, "1")
+    assert sv.distributed.is_launched()
+
+
+def test_initialize_after_devices_were_touched_explains(monkeypatch):
+    jax.devices()  # this test process's backend is running
+    for name in (distributed.ENV_COORDINATOR, distributed.ENV_NUM_PROCESSES, distributed.ENV_PROCESS_ID):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(sv.CallError, match="before anything touches a device"):
+        sv.distributed.initialize("127.0.0.1:1", num_processes=2, process_id=0)
+    assert not jax.distributed.is_initialized()
+
+
+@pytest.mark.parametrize(("platforms", "cpu"), [("cpu", True), ("cuda,cpu", False), ("tpu", False)])
+def test_platform_is_decided_without_a_backend(platforms, cpu):
+    before = jax.config.jax_platforms
+    jax.config.update("jax_platforms", platforms)
+    try:
+        assert distributed._platform_is_cpu() is cpu
+    finally:
+        jax.config.update("jax_platforms", before)
