@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import jax
     import system
-    from harness import decorated_energy, hand_written, interleaved, max_abs_diff, ratio, temp_bytes
+    from harness import decorated_energy, hand_written, interleaved, ratio, rel_diff, temp_bytes
     from sections import Report, machine
 
     import shardvmc as sv
@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
                     continue
                 dec = decorated_energy(chosen, mesh, output, bs)
                 hand = hand_written(chosen.local_energy, mesh, output, bs)
-                diff = max_abs_diff(dec(params, r), hand(params, r))
+                diff = rel_diff(dec(params, r), hand(params, r))
                 times = interleaved({"decorated": lambda: dec(params, r), "hand": lambda: hand(params, r)}, reps)
                 rat = ratio(times, "decorated", "hand")
                 rate = n / sorted(times["decorated"])[len(times["decorated"]) // 2]

@@ -143,6 +143,10 @@ def hand_written(
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P(AXIS)), out_specs=out_specs, check_vma=True))
 
 
-def max_abs_diff(a: Any, b: Any) -> float:
-    """Largest absolute difference of two arrays (after gathering them to the host)."""
-    return float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))))
+def rel_diff(a: Any, b: Any) -> float:
+    """``max|a - b| / max|b|`` over all leaves (gathered to the host, in float64)."""
+    num = den = 0.0
+    for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
+        x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+        num, den = max(num, float(np.max(np.abs(x - y)))), max(den, float(np.max(np.abs(y))))
+    return num / den if den else num

@@ -50,9 +50,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--only", default="", help="comma-separated sections to run, e.g. 1,4 (default: all)")
     parser.add_argument("--json", default="", help="also write the rows, facts and machine to this JSON file")
     parser.add_argument("--system", choices=("o2", "he"), help="trial function: o2 (16 electrons) or he (2)")
-    for name, default, what in (
+    sizes = (
         ("walkers", 2048, "walkers of sections 1-4"),
-        ("reps", 21, "timed repetitions per figure (>= 20 for a real run)"),
+        ("reps", 31, "timed repetitions per figure (>= 20 for a real run)"),
         ("tiny-calls", 200, "calls per repetition in section 2"),
         ("batch-size", 64, "batch_size of the chunked kernels in sections 3, 6, 7"),
         ("memory-walkers", 4096, "walkers of section 5"),
@@ -60,15 +60,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ("loop-walkers", 2048, "walker slots of section 7 (one of them padding)"),
         ("loop-steps", 200, "Metropolis steps of section 7"),
         ("energy-every", 10, "steps between energy evaluations in section 7"),
-    ):
-        parser.add_argument(f"--{name}", type=int, help=f"{what} (default {default}; --quick: {QUICK.get(name)})")
+    )
+    for name, default, what in sizes:
+        quick = QUICK[name.replace("-", "_")]
+        parser.add_argument(f"--{name}", type=int, help=f"{what} (default {default}; --quick: {quick})")
     args = parser.parse_args(argv)
-    preset = QUICK if args.quick else {}
-    full = {"system": "o2", "walkers": 2048, "reps": 21, "tiny_calls": 200, "batch_size": 64}
-    full |= {"memory_walkers": 4096, "pad_walkers": 4096, "loop_walkers": 2048, "loop_steps": 200, "energy_every": 10}
-    for key, value in full.items():
+    defaults = {"system": "o2"} | {name.replace("-", "_"): default for name, default, _ in sizes}
+    for key, value in defaults.items():
         if getattr(args, key) is None:
-            setattr(args, key, preset.get(key, value))
+            setattr(args, key, QUICK[key] if args.quick else value)
     return args
 
 
@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     set_cpu_devices(args.devices)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import sections  # noqa: PLC0415 - JAX may start only after the device count is set
+    import sections  # imported here: JAX may start only after the device count is set
     import system
 
     import shardvmc as sv

@@ -10,6 +10,7 @@ Example:
 """
 
 from . import distributed as distributed
+from ._checkpoint import Checkpoint as Checkpoint
 from ._checkpoint import load_walkers as load_walkers
 from ._checkpoint import save_walkers as save_walkers
 from ._decorator import WalkerParallel as WalkerParallel
@@ -53,6 +54,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CallError",
+    "Checkpoint",
     "DecorationError",
     "Mean",
     "PaddingWarning",

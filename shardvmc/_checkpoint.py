@@ -74,10 +74,13 @@ def save_walkers(
     """Write the valid walkers of ``tree`` to ``path``, atomically.
 
     The first ``n_valid`` walkers of every non-scalar leaf are saved (padding is
-    dropped); scalar leaves are saved as they are. The file is written under a
-    temporary name in the same directory, flushed to disk, and renamed over ``path``,
-    so a writer killed at any moment leaves the previous checkpoint intact (at worst a
-    stray ``.<name>.*.tmp`` file stays behind).
+    dropped); scalar leaves are saved as they are. Leaves are stored in the dtype JAX
+    gives them (a float64 NumPy leaf is stored as float32 unless ``jax_enable_x64`` is
+    on), which is what :func:`load_walkers` compares ``like`` with.
+
+    The file is written under a temporary name in the same directory, flushed to disk,
+    and renamed over ``path``, so a writer killed at any moment leaves the previous
+    checkpoint intact (at worst a stray ``.<name>.*.tmp`` file stays behind).
 
     In a multi-process run, call it on every process: the walkers are gathered from
     all processes, process 0 alone writes, and every process returns once the file is
@@ -145,9 +148,9 @@ def save_walkers(
             leaf = leaf[:count]
         if not entry["key_impl"]:
             leaf = leaf.astype(dtype, copy=False)
-        leaf = np.ascontiguousarray(leaf)
+        leaf = np.asarray(leaf, order="C")  # (not ascontiguousarray: it makes scalars 1-d)
         # Dtypes NumPy cannot describe in a .npy header (bfloat16, ...) travel as unsigned ints.
-        arrays[f"leaf_{i}"] = leaf if leaf.dtype.isbuiltin else leaf.view(f"u{leaf.dtype.itemsize}")
+        arrays[f"leaf_{i}"] = leaf if leaf.dtype.isbuiltin == 1 else leaf.view(f"u{leaf.dtype.itemsize}")
     header = {
         "format": _FORMAT,
         "version": _VERSION,
@@ -218,29 +221,30 @@ def _corrupt(path: Path, problem: str, got: str | None = None) -> CallError:
 def _read(path: Path) -> tuple[dict[str, Any], list[np.ndarray]]:
     """The header and the leaves of a checkpoint file, every read checked (CRC included)."""
     try:
-        data = np.load(path, allow_pickle=False)
-        if not isinstance(data, np.lib.npyio.NpzFile):
-            raise _corrupt(path, "is a single .npy array, not a shardvmc checkpoint.")
-        with data:
-            if _HEADER not in data.files:
-                raise _corrupt(path, "is an .npz file without a shardvmc header, not a shardvmc checkpoint.")
-            header = json.loads(bytes(data[_HEADER]).decode())
-            if not isinstance(header, dict) or header.get("format") != _FORMAT:
-                raise _corrupt(path, "has a header that is not a shardvmc walker checkpoint's.")
-            if header.get("version") != _VERSION:
-                raise _corrupt(
-                    path,
-                    f"is format version {header.get('version')!r}, which this shardvmc cannot read.",
-                    got=f"version {header.get('version')!r}, expected {_VERSION}",
-                )
-            entries = header["leaves"]
-            if not (
-                isinstance(header["n_valid"], int)
-                and isinstance(header["metadata"], dict)
-                and all({"path", "dtype", "shape", "key_impl"} <= set(e) for e in entries)
-            ):
-                raise _corrupt(path, "has a malformed header.")
-            leaves = [data[f"leaf_{i}"] for i in range(len(entries))]
+        with open(path, "rb") as f:
+            data = np.load(f, allow_pickle=False)
+            if not isinstance(data, np.lib.npyio.NpzFile):
+                raise _corrupt(path, "is a single .npy array, not a shardvmc checkpoint.")
+            with data:
+                if _HEADER not in data.files:
+                    raise _corrupt(path, "is an .npz file without a shardvmc header, not a shardvmc checkpoint.")
+                header = json.loads(bytes(data[_HEADER]).decode())
+                if not isinstance(header, dict) or header.get("format") != _FORMAT:
+                    raise _corrupt(path, "has a header that is not a shardvmc walker checkpoint's.")
+                if header.get("version") != _VERSION:
+                    raise _corrupt(
+                        path,
+                        f"is format version {header.get('version')!r}, which this shardvmc cannot read.",
+                        got=f"version {header.get('version')!r}, expected {_VERSION}",
+                    )
+                entries = header["leaves"]
+                if not (
+                    isinstance(header["n_valid"], int)
+                    and isinstance(header["metadata"], dict)
+                    and all({"path", "dtype", "shape", "key_impl"} <= set(e) for e in entries)
+                ):
+                    raise _corrupt(path, "has a malformed header.")
+                leaves = [data[f"leaf_{i}"] for i in range(len(entries))]
     except (FileNotFoundError, CallError):
         raise
     except (OSError, ValueError, EOFError, KeyError, TypeError, zipfile.BadZipFile, UnicodeDecodeError) as err:
@@ -342,10 +346,11 @@ def load_walkers(
                     fix="pass a `like` whose leaves have the saved per-walker shapes.",
                 )
             )
-        if data.shape[: len(saved_shape)] != saved_shape or (saved_shape and saved_shape[0] != n_valid):
+        stored_shape = data.shape[: data.ndim - 1] if entry["key_impl"] else data.shape  # key data: one more axis
+        if stored_shape != saved_shape or (saved_shape and saved_shape[0] != n_valid):
             raise _corrupt(path, f"is inconsistent: leaf {name} does not have the shape its header gives.")
         if not entry["key_impl"] and data.dtype != dtype:
-            if np.dtype(dtype).isbuiltin or data.dtype != np.dtype(f"u{np.dtype(dtype).itemsize}"):
+            if np.dtype(dtype).isbuiltin == 1 or data.dtype != np.dtype(f"u{np.dtype(dtype).itemsize}"):
                 raise _corrupt(path, f"is inconsistent: leaf {name} holds {data.dtype} data, not {dtype}.")
             data = data.view(dtype)
         if saved_shape:

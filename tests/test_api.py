@@ -18,6 +18,8 @@ PUBLIC = {
     "walker_mean", "walker_sum", "jtj", "jtv",
     # errors and warnings
     "ShardvmcError", "DecorationError", "CallError", "UnhashableStaticError", "PaddingWarning",
+    # checkpoints and multi-process
+    "save_walkers", "load_walkers", "Checkpoint", "distributed",
 }  # fmt: skip
 
 

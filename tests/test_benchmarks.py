@@ -1,0 +1,107 @@
+"""The benchmark commands keep working, and the facts behind their tables hold.
+
+``benchmarks/run.py --quick`` runs every section at tiny sizes in a subprocess (with
+the 8 fake devices of the root conftest); the tests check what must hold whatever the
+machine: outputs agree with the hand-written kernels, per-walker outputs move no data,
+reductions are one all-reduce, ``batch_size`` bounds memory, a Metropolis loop
+compiles each kernel once. Timings are printed by the command, never asserted.
+"""
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+NONE = {"all-gather": 0, "all-reduce": 0, "all-to-all": 0, "collective-permute": 0, "reduce-scatter": 0}
+
+
+def _run(script: str, *args: str, tmp_path: pathlib.Path) -> tuple[str, dict]:
+    out = tmp_path / "out.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / script), *args, "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, f"{script} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc.stdout, json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory):
+    """stdout and JSON of ``benchmarks/run.py --quick``."""
+    return _run("run.py", "--quick", tmp_path=tmp_path_factory.mktemp("bench"))
+
+
+def test_prints_one_table_with_every_section(quick):
+    stdout, data = quick
+    assert "| # | measurement | figure | goal | met |" in stdout
+    assert {row["section"] for row in data["rows"]} == set(range(1, 8))
+    assert data["machine"]["devices"].startswith("8 x ")
+    ratios = [row["figure"] for row in data["rows"] if row["section"] in (1, 2, 3, 6) and "/" in row["what"]]
+    assert ratios and all(float(fig.split()[0]) > 0 for fig in ratios)
+
+
+def test_decorated_kernels_compute_what_the_hand_written_ones_do(quick):
+    facts = quick[1]["facts"]
+    for output in ("walker", "mean"):
+        assert facts[f"kernel_{output}"]["rel_diff"] < 1e-6
+        assert facts[f"kernel_{output}"]["same_hlo_ops"], f"{output}: the decorated program differs from hand-written"
+    assert facts["tiny_rel_diff"] < 1e-6
+    assert max(facts["pytc_rel_diff"].values()) < 1e-4
+    assert facts["jacobian_rel_diff"] < 1e-5
+    assert facts["grad_sum_rel_diff"] < 1e-5
+    assert facts["jtj_rel_diff"] < 1e-5
+
+
+def test_per_walker_outputs_move_nothing_and_reductions_are_one_all_reduce(quick):
+    comm = quick[1]["facts"]["collectives"]
+    per_walker = [k for k in comm if k.startswith("per-walker")]
+    reductions = [k for k in comm if not k.startswith(("per-walker", "pytc"))]
+    assert len(per_walker) == 2 and len(reductions) == 4
+    for name in per_walker:
+        assert comm[name] == NONE, name
+    for name in reductions:
+        assert comm[name] == dict(NONE, **{"all-reduce": 1}), name
+    pytc = quick[1]["facts"]["collectives_pytc"]
+    for name in ("decorated", "decorated_b", "sharded_batched_vmap"):
+        assert pytc[name] == NONE, name
+        assert quick[1]["facts"]["output_spec_pytc"][name] == "P('walkers',)"
+
+
+def test_batch_size_bounds_compiled_memory(quick):
+    memory = quick[1]["facts"]["memory"]
+    assert memory["None"] > memory["64"] > memory["16"] > 0
+    assert memory["16"] <= memory["None"] / 8
+
+
+def test_padding_is_masked_and_a_padded_set_communicates_like_a_full_one(quick):
+    padding = quick[1]["facts"]["padding"]
+    assert padding["internal_vs_reference"] < 1e-4
+    assert padding["persistent_vs_reference"] < 1e-4
+    assert padding["padding_warnings"] >= 1
+    comm = padding["collectives"]
+    full, internal, persistent = (comm[k] for k in comm if k.startswith("Mean"))
+    assert full == persistent == dict(NONE, **{"all-reduce": 1})
+    assert internal == full, "internal padding of a replicated input must not gather or broadcast walkers"
+    walker_full, walker_internal, walker_persistent = (comm[k] for k in comm if k.startswith("per-walker"))
+    assert walker_full == walker_persistent == NONE
+    assert walker_internal == dict(NONE, **{"all-gather": 1}), "only the un-padded output may be gathered"
+
+
+def test_metropolis_loop_traces_and_compiles_each_kernel_once(quick):
+    loop = quick[1]["facts"]["loop"]
+    assert loop["traces"] == {"log_prob": 1, "mcmc_step": 1, "energy": 1}
+    assert loop["compiles_later_steps"] == 0
+    assert loop["finite"] and 0 < loop["acceptance"] < 1
+
+
+def test_gpu_script_runs_on_cpu(tmp_path):
+    stdout, data = _run("gpu.py", "--cpu-devices", "8", "--walkers", "16", "--reps", "2", tmp_path=tmp_path)
+    assert "no accelerator" in stdout
+    assert any("walkers per second" in row["what"] for row in data["rows"])
+    assert all(row["section"] == 8 for row in data["rows"])
