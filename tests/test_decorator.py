@@ -8,25 +8,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helium import PARAMS, log_psi, positions
 from jax.sharding import PartitionSpec as P
 
 import shardvmc as sv
 from shardvmc import Mean, PerWalker, Replicated, Static, Sum, WalkerKey
 
 WALKER = P("walkers")
-
-
-def log_psi(params, r):
-    d = jnp.linalg.norm(r, axis=-1)
-    r12 = jnp.linalg.norm(r[0] - r[1])
-    return -params["alpha"] * jnp.sum(d) + r12 / (2 * (1 + params["beta"] * r12))
-
-
-PARAMS = {"alpha": jnp.float32(1.8), "beta": jnp.float32(0.4)}
-
-
-def positions(n, seed=0):
-    return jax.random.normal(jax.random.key(seed), (n, 2, 3))
 
 
 @sv.walker_parallel

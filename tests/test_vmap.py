@@ -5,23 +5,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helium import PARAMS, log_psi, positions
 from jax.sharding import PartitionSpec as P
 
 import shardvmc as sv
-
-
-def log_psi(params, r):
-    """A small two-electron trial function of one walker r: (2, 3)."""
-    d = jnp.linalg.norm(r, axis=-1)
-    r12 = jnp.linalg.norm(r[0] - r[1])
-    return -params["alpha"] * jnp.sum(d) + r12 / (2 * (1 + params["beta"] * r12))
-
-
-PARAMS = {"alpha": jnp.float32(1.8), "beta": jnp.float32(0.4)}
-
-
-def positions(n, seed=0):
-    return jax.random.normal(jax.random.key(seed), (n, 2, 3))
 
 
 def per_walker_grad(params, r):
