@@ -177,6 +177,7 @@ def jtj(jac: jax.Array, n_valid: Any = None, *, mesh: Mesh | None = None, axis_n
         >>> sv.jtj(jnp.ones((8, 2))).tolist()
         [[8.0, 8.0], [8.0, 8.0]]
     """
+    _check_rank("jtj", "J", jac, 2, "(n_walkers, P): flatten the parameters, e.g. with jax.flatten_util.ravel_pytree")
     return _reduce("jtj", _jtj_local, (jac,), n_valid, mesh, axis_name)
 
 
@@ -192,4 +193,18 @@ def jtv(
         >>> sv.jtv(jnp.ones((8, 2)), jnp.arange(8.0)).tolist()
         [28.0, 28.0]
     """
+    _check_rank("jtv", "J", jac, 2, "(n_walkers, P): flatten the parameters, e.g. with jax.flatten_util.ravel_pytree")
+    _check_rank("jtv", "v", v, 1, "(n_walkers,): one value per walker")
     return _reduce("jtv", _jtv_local, (jac, v), n_valid, mesh, axis_name)
+
+
+def _check_rank(where: str, name: str, x: Any, ndim: int, expected: str) -> None:
+    if jnp.ndim(x) != ndim:
+        raise CallError(
+            message(
+                where,
+                f"{name} has {jnp.ndim(x)} dimensions, not {ndim}.",
+                got=f"shape {jnp.shape(x)}",
+                expected=f"shape {expected}",
+            )
+        )

@@ -68,5 +68,10 @@ def test_errors():
         sv.jtv(jnp.ones((8, 2)), jnp.ones(6))
     with pytest.raises(sv.CallError, match="n_valid=9 is outside 1..8"):
         sv.walker_mean(jnp.ones(8), 9)
+    with pytest.raises(sv.CallError, match="J has 1 dimensions, not 2") as err:
+        sv.jtj(jnp.ones(8))
+    assert "ravel_pytree" in str(err.value)
+    with pytest.raises(sv.CallError, match="v has 2 dimensions, not 1"):
+        sv.jtv(jnp.ones((8, 2)), jnp.ones((8, 1)))
     with pytest.raises(sv.CallError, match="no walkers"):
         sv.walker_sum(jnp.ones((0, 2)))
