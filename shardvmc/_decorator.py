@@ -14,7 +14,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from ._errors import CallError, DecorationError, ShardvmcError, UnhashableStaticError, message
-from ._kernel import Options, build, explain_call_error, inside_kernel, output_shardings
+from ._kernel import Options, build, explain_call_error, inside_kernel, leading_count, output_shardings
 from ._markers import Kind, Layout, missing_markers_error, parse
 from ._mesh import resolve_mesh
 from ._reductions import check_n_valid
@@ -48,7 +48,6 @@ class WalkerParallel:
         options: Options,
         replicated: frozenset[str] = frozenset(),
         nested: Callable[..., Any] | None = None,
-        missing: list[str] | None = None,
     ) -> None:
         self.__wrapped__ = fn
         functools.update_wrapper(self, fn)
@@ -57,8 +56,8 @@ class WalkerParallel:
         self._options = options
         self._replicated = replicated
         self._nested = fn if nested is None else nested
-        self._missing = missing or []
-        self._cache: dict[tuple[Mesh, tuple[Any, ...]], Callable[..., Any]] = {}
+        self._missing: list[str] = []
+        self._cache: dict[tuple[Mesh, tuple[Any, ...], bool], Callable[..., Any]] = {}  # mesh, statics, even
         if layout is None:
             layout, self._missing = parse(fn, self._qualname, replicated)
             if self._missing and not _replicated_args_pending():
@@ -113,14 +112,7 @@ class WalkerParallel:
 
     def _walker_count(self, dyn: tuple[Any, ...]) -> int | None:
         """Leading size of the first PerWalker leaf (``None`` if there is none: run() explains)."""
-        if self._first_walker_idx is None:
-            return None
-        arg = dyn[self._first_walker_idx]
-        shape = getattr(arg, "shape", None)  # fast path: the argument is one array
-        if shape is None:
-            leaves = jax.tree_util.tree_leaves(arg)
-            shape = getattr(leaves[0], "shape", None) if leaves else None
-        return int(shape[0]) if shape else None
+        return None if self._first_walker_idx is None else leading_count(dyn[self._first_walker_idx])
 
     def _raise_unhashable(self, statics: tuple[Any, ...]) -> None:
         for i, value in zip(self._static_idx, statics):

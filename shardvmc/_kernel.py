@@ -23,9 +23,9 @@ from . import _compat
 from ._errors import CallError, message
 from ._markers import Kind, Layout, Param
 from ._placement import pad_n_walkers, pad_walker, walker_keys
-from ._reductions import masked_sum, mean_dtype
+from ._reductions import masked_sum, mean_of
 
-__all__ = ["Options", "build", "explain_call_error", "inside_kernel", "output_shardings"]
+__all__ = ["Options", "build", "explain_call_error", "inside_kernel", "leading_count", "output_shardings"]
 
 _INSIDE: contextvars.ContextVar[bool] = contextvars.ContextVar("shardvmc_inside_kernel", default=False)
 
@@ -194,17 +194,23 @@ def _output_kinds(layout: Layout, out: Any, qualname: str) -> tuple[Kind, ...] |
     return layout.output
 
 
+def _spec(kind: Kind, axis_name: str) -> PartitionSpec:
+    """``P(axis_name)`` for per-walker data; everything else is replicated."""
+    return PartitionSpec(axis_name) if kind is Kind.PER_WALKER else PartitionSpec()
+
+
+def _per_output(layout: Layout, of: Callable[[Kind], Any]) -> Any:
+    """``of(kind)`` for the one output kind, or a tuple of them for a tuple output."""
+    return of(layout.output) if isinstance(layout.output, Kind) else tuple(of(k) for k in layout.output)
+
+
 def output_shardings(layout: Layout, mesh: Mesh, axis_name: str) -> Any:
     """The shardings of the outputs: ``P(axis_name)`` per walker, replicated for ``Mean``/``Sum``.
 
     Given to ``jax.jit`` as ``out_shardings`` so that the walker sharding is kept
     literally, also on a one-device mesh (where XLA would otherwise report ``P()``).
     """
-
-    def of(kind: Kind) -> NamedSharding:
-        return NamedSharding(mesh, PartitionSpec(axis_name) if kind is Kind.PER_WALKER else PartitionSpec())
-
-    return of(layout.output) if isinstance(layout.output, Kind) else tuple(of(k) for k in layout.output)
+    return _per_output(layout, lambda kind: NamedSharding(mesh, _spec(kind, axis_name)))
 
 
 def build(
@@ -225,12 +231,8 @@ def build(
     dyn_params = tuple(p for p in layout.params if p.kind is not Kind.STATIC)
     kinds = tuple(p.kind for p in dyn_params)
     order = [p.kind is Kind.STATIC for p in layout.params]
-    spec_of = {Kind.PER_WALKER: PartitionSpec(axis), Kind.REPLICATED: PartitionSpec(), Kind.KEY: PartitionSpec()}
     in_axes = tuple(0 if k in (Kind.PER_WALKER, Kind.KEY) else None for k in kinds)
-    out_spec_of = {Kind.PER_WALKER: PartitionSpec(axis), Kind.MEAN: PartitionSpec(), Kind.SUM: PartitionSpec()}
-    out_specs = (
-        out_spec_of[layout.output] if isinstance(layout.output, Kind) else tuple(out_spec_of[k] for k in layout.output)
-    )
+    out_specs = _per_output(layout, lambda kind: _spec(kind, axis))
 
     def call(*dyn: Any) -> Any:
         it_dyn, it_static = iter(dyn), iter(statics)
@@ -308,10 +310,10 @@ def build(
             total = jax.tree_util.tree_map(lambda x: jax.lax.psum(masked_sum(x, mask), axis), out)
             if kind is Kind.SUM:
                 return total
-            return jax.tree_util.tree_map(lambda t: t.astype(mean_dtype(t.dtype)) / count, total)
+            return mean_of(total, count)
 
         kernel = _compat.shard_map(
-            body, mesh, in_specs=(tuple(spec_of[k] for k in kinds), PartitionSpec()), out_specs=out_specs
+            body, mesh, in_specs=(tuple(_spec(k, axis) for k in kinds), PartitionSpec()), out_specs=out_specs
         )
         out = kernel(dyn, jnp.asarray(count, jnp.int32))
         if n_pad == n:
@@ -327,10 +329,22 @@ def _unpad(tree: Any, n: int) -> Any:
     return jax.tree_util.tree_map(lambda x: x[:n], tree)
 
 
+def leading_count(arg: Any) -> int | None:
+    """Leading size of the first leaf of a PerWalker argument, unchecked (``None``: no axis).
+
+    On the per-call path: an argument that is one array costs one attribute lookup.
+    """
+    shape = getattr(arg, "shape", None)
+    if shape is None:
+        leaves = jax.tree_util.tree_leaves(arg)
+        shape = getattr(leaves[0], "shape", None) if leaves else None
+    return int(shape[0]) if shape else None
+
+
 def _walker_count(dyn: tuple[Any, ...], kinds: tuple[Kind, ...]) -> int:
+    """The walker count without the checks (``checks=False``)."""
     for a, k in zip(dyn, kinds):
-        if k is Kind.PER_WALKER:
-            leaves = jax.tree_util.tree_leaves(a)
-            if leaves:
-                return int(leaves[0].shape[0])
+        n = leading_count(a) if k is Kind.PER_WALKER else None
+        if n is not None:
+            return n
     raise CallError("no PerWalker argument, so the number of walkers is unknown.")

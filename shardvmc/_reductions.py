@@ -15,7 +15,7 @@ from ._errors import CallError, message
 from ._mesh import resolve_mesh
 from ._placement import leading_size, pad_n_walkers, pad_walker
 
-__all__ = ["jtj", "jtv", "local_valid_mask", "masked_sum", "walker_mean", "walker_sum"]
+__all__ = ["jtj", "jtv", "local_valid_mask", "masked_sum", "mean_of", "walker_mean", "walker_sum"]
 
 
 def local_valid_mask(axis_name: str, n_local: int, n_valid: Any) -> jax.Array:
@@ -36,9 +36,14 @@ def masked_sum(x: jax.Array, mask: jax.Array | None) -> jax.Array:
     return jnp.sum(_masked(x, mask), axis=0)
 
 
-def mean_dtype(dtype: Any) -> Any:
-    """The dtype of a mean: ``dtype`` if inexact, else the default float."""
-    return dtype if jnp.issubdtype(dtype, jnp.inexact) else jnp.result_type(float)
+def mean_of(total: Any, count: Any) -> Any:
+    """``total / count`` leaf by leaf; integer and boolean sums become the default float."""
+
+    def divide(t: jax.Array) -> jax.Array:
+        dtype = t.dtype if jnp.issubdtype(t.dtype, jnp.inexact) else jnp.result_type(float)
+        return t.astype(dtype) / count
+
+    return jax.tree_util.tree_map(divide, total)
 
 
 @functools.cache
@@ -61,7 +66,7 @@ def _reducer(local: Callable[..., Any], mesh: Mesh, axis_name: str, n_args: int,
             args, jnp.asarray(count)
         )
         if mean:
-            total = jax.tree_util.tree_map(lambda t: t.astype(mean_dtype(t.dtype)) / count, total)
+            total = mean_of(total, count)
         return total
 
     return jax.jit(run)
