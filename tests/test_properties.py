@@ -28,7 +28,6 @@ from hypothesis import HealthCheck, Phase, example, given, settings
 from jax.sharding import PartitionSpec as P
 
 import shardvmc as sv
-from shardvmc._reductions import mean_dtype
 
 PROPERTY_SETTINGS = settings(
     max_examples=25,
@@ -206,7 +205,11 @@ def reference(case: Case, args: tuple[Any, ...]) -> Any:
         total = jax.tree_util.tree_map(lambda x: jnp.sum(x[:n_valid], axis=0), tree)
         if kind == "Sum":
             return total
-        return jax.tree_util.tree_map(lambda t: t.astype(mean_dtype(t.dtype)) / n_valid, total)
+        # a mean is float like jnp.mean: integer and boolean sums become the default float
+        return jax.tree_util.tree_map(
+            lambda t: t.astype(t.dtype if jnp.issubdtype(t.dtype, jnp.inexact) else jnp.result_type(float)) / n_valid,
+            total,
+        )
 
     if isinstance(case.output, str):
         return reduce(per_walker, case.output)
