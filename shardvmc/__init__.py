@@ -49,6 +49,7 @@ from ._vmap import get_vmap_fn as get_vmap_fn
 from ._vmap import shard_map_wrap as shard_map_wrap
 from ._vmap import shard_vmap as shard_vmap
 from ._vmap import sharded_batched_vmap as sharded_batched_vmap
+from ._walkerset import WalkerSet as WalkerSet
 
 __version__ = "0.1.0"
 
@@ -66,6 +67,7 @@ __all__ = [
     "UnhashableStaticError",
     "WalkerKey",
     "WalkerParallel",
+    "WalkerSet",
     "assemble_sharded",
     "create_mesh",
     "distributed",

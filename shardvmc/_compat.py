@@ -1,8 +1,18 @@
-"""Everything that depends on the JAX version lives here and nowhere else.
+"""Everything that depends on the JAX version, and the one rule for how shardvmc calls ``shard_map``.
 
 shardvmc is tested against JAX 0.10.2. Older versions kept ``shard_map`` in
-``jax.experimental.shard_map`` with a ``check_rep`` flag, and spelled the
-replicated-to-varying cast ``jax.lax.pvary``.
+``jax.experimental.shard_map`` with a ``check_rep`` flag instead of ``check_vma``.
+
+The engine rule (see ``docs/concepts.md``): every kernel shardvmc builds runs its body
+under ``shard_map`` with varying-manual-axes checking OFF. shardvmc places every
+collective itself (the ``psum`` of a ``Mean``/``Sum``, the reductions, the in-body
+statistics), so the check has nothing to protect, while turning it on breaks real
+per-walker programs: folx's forward Laplacian re-evaluates jaxprs holding the ``pvary``
+that JAX inserts where a constant (``jnp.eye(n)``) meets walker data, outside
+``shard_map``'s context, and a jvp-of-grad Laplacian over constant tangents is rejected
+as "inconsistent with the original primal values". With the check off, a gradient
+taken inside the body with respect to a replicated input is that walker's own, and
+gradients of a ``psum``'d mean taken outside are right; both are tested.
 """
 
 from __future__ import annotations
@@ -13,7 +23,10 @@ from typing import Any
 import jax
 from jax.sharding import Mesh
 
-__all__ = ["axis_size", "shard_map", "to_varying"]
+__all__ = ["CHECK_VMA", "axis_size", "shard_map"]
+
+CHECK_VMA = False
+"""Whether shardvmc's kernels type-check varying manual axes (the engine rule above)."""
 
 if hasattr(jax, "shard_map"):
     _shard_map = jax.shard_map
@@ -25,33 +38,14 @@ else:  # pragma: no cover - JAX < 0.7
 
 
 def shard_map(fn: Callable[..., Any], mesh: Mesh, in_specs: Any, out_specs: Any) -> Callable[..., Any]:
-    """``shard_map`` with replication checking on, whatever the JAX version calls it."""
-    return _shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, **{_CHECK_FLAG: True})
+    """``shard_map`` under the engine rule, whatever the JAX version calls the flag."""
+    return _shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, **{_CHECK_FLAG: CHECK_VMA})
 
 
-def to_varying(tree: Any, axis_name: str) -> Any:
-    """Cast every leaf of ``tree`` that is replicated over ``axis_name`` to varying.
-
-    Inside ``shard_map`` with ``check_vma=True`` a replicated input used by per-walker
-    code is implicitly cast to varying, and that cast transposes to a ``psum``: a
-    gradient taken inside the kernel with respect to the replicated input would come
-    out summed over devices. Casting explicitly first makes per-walker gradients that
-    walker's own, and leaves gradients of reduced outputs unchanged.
-    """
-    if hasattr(jax.lax, "pcast"):
-
-        def cast(x: Any) -> Any:
-            if axis_name in getattr(jax.typeof(x), "vma", frozenset()):
-                return x
-            return jax.lax.pcast(x, axis_name, to="varying")
-    else:  # pragma: no cover - JAX < 0.8
-
-        def cast(x: Any) -> Any:
-            return jax.lax.pvary(x, axis_name)
-
-    return jax.tree_util.tree_map(cast, tree)
-
-
-def axis_size(mesh: Mesh, axis_name: str) -> int:
-    """Number of devices along ``axis_name`` of ``mesh``."""
-    return int(mesh.shape[axis_name])
+def axis_size(mesh: Mesh, axis_name: str | tuple[str, ...]) -> int:
+    """Number of devices along ``axis_name`` (one mesh axis or several) of ``mesh``."""
+    names = (axis_name,) if isinstance(axis_name, str) else axis_name
+    size = 1
+    for name in names:
+        size *= int(mesh.shape[name])
+    return size
