@@ -101,7 +101,7 @@ def test_resumed_chain_continues_the_uninterrupted_one(tmp_path: Path) -> None:
     mesh8, mesh3 = sv.create_mesh(jax.devices()[:8]), sv.create_mesh(jax.devices()[:3])
     step8, step3 = make_step(mesh8), make_step(mesh3)
     key = jax.random.key(3)
-    r = sv.initialize_walkers_sharded(lambda k: jax.random.normal(k, (3,)), 13, mesh8, key=key)
+    r = sv.initialize_walkers_sharded(lambda k: jax.random.normal(k, (3,)), 13, mesh8, key=key).data
     uninterrupted = r
     for t in range(10):
         uninterrupted = step8(jax.random.fold_in(key, t), uninterrupted)
