@@ -112,7 +112,7 @@ def test_replicated_args_unknown_name():
 
 
 def test_missing_marker_error_waits_for_the_first_call_without_global_state():
-    """Nothing global decides: the same replicated_args object stays usable, and an unmarked kernel fails when called."""
+    """Nothing global decides: one replicated_args object stays usable; an unmarked kernel fails when called."""
     shared = sv.replicated_args("params")
 
     @sv.walker_parallel
