@@ -23,7 +23,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from . import _compat
 from ._errors import CallError, message
-from ._kernel import inside_kernel, spec
+from ._kernel import inside_kernel, signature_of, spec
 from ._markers import Kind
 from ._placement import pad_n_walkers
 
@@ -406,7 +406,9 @@ def explain(kernel: WalkerParallel, args: tuple[Any, ...], kwargs: dict[str, Any
         n_valid=n_valid_out,
         walkers_per_device=n_pad // size,
         batched=kernel._options.batched,
-        batch_size=kernel._options.batch_size,
+        batch_size=kernel.chosen_batch_sizes.get(signature_of(dyn))
+        if kernel._options.batch_size == "auto"
+        else kernel._options.batch_size,
         collectives=collectives,
         unexpected=unexpected,
         cause=cause,
