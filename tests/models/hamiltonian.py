@@ -106,15 +106,19 @@ def laplacian_and_gradient(
     raise ValueError(f"unknown Laplacian method {method!r}; expected one of {METHODS}")
 
 
+def kinetic_from_derivatives(lap: jax.Array, grad: jax.Array) -> jax.Array:
+    """``-1/2 (lap + grad . grad)`` from :func:`laplacian_and_gradient`'s output (complex if it has parts)."""
+    if lap.ndim:  # complex: the trailing axis holds the real and imaginary parts
+        lap = jax.lax.complex(lap[..., 0], lap[..., 1])
+        grad = jax.lax.complex(grad[..., 0], grad[..., 1])
+    return -0.5 * (lap + jnp.sum(grad * grad))
+
+
 def kinetic_energy(log_psi: Callable, params: dict, r: jax.Array, method: str = "folx") -> jax.Array:
     """``-1/2 (lap log psi + (grad log psi)^2)`` of one walker (complex if log psi is)."""
     shape = r.shape
     f = lambda x: log_psi(params, x.reshape(shape))  # noqa: E731
-    lap, grad = laplacian_and_gradient(f, r.reshape(-1), method)
-    if lap.ndim:  # complex: (..., 2) holds the real and imaginary parts
-        lap = jax.lax.complex(lap[..., 0], lap[..., 1])
-        grad = jax.lax.complex(grad[..., 0], grad[..., 1])
-    return -0.5 * (lap + jnp.sum(grad * grad))
+    return kinetic_from_derivatives(*laplacian_and_gradient(f, r.reshape(-1), method))
 
 
 def make_local_energy(log_psi: Callable, system: System, method: str = "folx") -> Callable:
