@@ -31,8 +31,8 @@ SPARSITY_THRESHOLD = 0.6
 def nuclear_repulsion(system: System) -> float:
     """``sum_{m<l} Z_m Z_l / |R_m - R_l|`` (a Python float)."""
     return sum(
-        system.charges[m] * system.charges[l] / math.dist(system.coords[m], system.coords[l])
-        for m, l in itertools.combinations(range(system.n_atoms), 2)
+        system.charges[a] * system.charges[b] / math.dist(system.coords[a], system.coords[b])
+        for a, b in itertools.combinations(range(system.n_atoms), 2)
     )
 
 
