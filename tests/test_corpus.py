@@ -51,7 +51,7 @@ class Model:
 
 MODELS = {
     "ferminet": Model(
-        init=lambda key, dtype: ferminet.init(key, LI, hidden_one=16, hidden_two=8, layers=2, dtype=dtype),
+        init=lambda key, dtype: ferminet.init(key, LI, hidden_one=16, hidden_two=8, layers=1, dtype=dtype),
         log_psi=lambda p, r: ferminet.log_psi(p, r, LI),
         log_abs_psi=lambda p, r: ferminet.log_psi(p, r, LI),
         signed_log_psi=lambda p, r: ferminet.signed_log_psi(p, r, LI),
@@ -83,10 +83,12 @@ def assert_close(got: np.ndarray, want: np.ndarray, rtol: float) -> None:
 
 @functools.cache
 def inputs(name: str, dtype: str) -> tuple[dict, jax.Array]:
-    """Parameters of model ``name`` and 13 Li walkers, in ``dtype``."""
+    """Parameters of model ``name`` and 13 Li walkers, in ``dtype`` (float32: the float64 ones rounded)."""
+    if dtype == F32:
+        return jax.tree.map(lambda x: np.asarray(x, np.float32), inputs(name, F64))
     with x64(dtype):
-        params = MODELS[name].init(jax.random.key(0), jnp.dtype(dtype))
-        walkers = systems.init_walkers(jax.random.key(1), LI, N_WALKERS, jnp.dtype(dtype))
+        params = MODELS[name].init(jax.random.key(0), jnp.float64)
+        walkers = systems.init_walkers(jax.random.key(1), LI, N_WALKERS, jnp.float64)
     return params, walkers
 
 
@@ -195,12 +197,12 @@ def test_exchanging_same_spin_electrons_flips_the_sign(name: str, system: system
 # ---------------------------------------------------------------- sharded, through the public API
 
 
-def annotated_kernel(name: str, method: str) -> sv.WalkerParallel:
+def annotated_kernel(name: str, method: str, batch_size: int | None = None) -> sv.WalkerParallel:
     """The annotated way: energy per walker, its Mean, and ``d log|psi| / d params`` per walker."""
     model = MODELS[name]
     local_energy = hamiltonian.make_local_energy(model.log_psi, LI, method)
 
-    @sv.walker_parallel
+    @sv.walker_parallel(batch_size=batch_size)
     def stats(
         params: sv.Replicated[dict], r: sv.PerWalker[jax.Array]
     ) -> tuple[sv.PerWalker[jax.Array], sv.Mean[jax.Array], sv.PerWalker[jax.Array]]:
@@ -233,7 +235,8 @@ def plain_kernel(name: str, method: str) -> Callable[[dict, jax.Array], tuple]:
 SHARDED = {
     "ferminet-folx-annotated": ("ferminet", "folx", annotated_kernel),
     "ferminet-scan-plain": ("ferminet", "scan", plain_kernel),
-    "psiformer-folx-annotated": ("psiformer", "folx", annotated_kernel),
+    # folx chunking: a device's 1, 5 or 13 walkers in chunks of 2
+    "psiformer-folx-annotated-batch2": ("psiformer", "folx", functools.partial(annotated_kernel, batch_size=2)),
     "complex-folx-plain": ("complex", "folx", plain_kernel),
 }
 
@@ -273,24 +276,18 @@ def test_sharded_equals_vmap(case: str, n_devices: int) -> None:
 
 
 def test_float32_unmodified_local_energy_on_a_padded_set() -> None:
-    """The user's call: FermiNet's local energy (linearize + fori_loop) unmodified, float32, 8 devices."""
+    """The user's call: FermiNet's local energy (linearize + fori_loop) unmodified, float32, 8 devices.
+
+    Against the float64 ``jax.vmap`` reference of the same (rounded) parameters and walkers: a
+    float32 reference would cost one more compile and agree no better than float32 rounding.
+    """
     params, walkers = inputs("ferminet", F32)
     local_energy = hamiltonian.make_local_energy(MODELS["ferminet"].log_psi, LI, "fori")
     energy_all = sv.walker_parallel(sv.replicated_args("params")(local_energy))
     mesh = sv.create_mesh(jax.devices()[:8])
-    with x64(F32), sv.use_mesh(mesh), warnings.catch_warnings():
+    with sv.use_mesh(mesh), warnings.catch_warnings():
         warnings.simplefilter("error")  # an already padded set: no PaddingWarning
         padded, n_valid = sv.pad_walker(walkers, sv.pad_n_walkers(N_WALKERS, 8))
         energy = energy_all(params, sv.shard_walker(padded, mesh), n_valid=n_valid)
     assert energy.shape == (16,) and energy.dtype == jnp.float32
-    assert_close(energy[:N_WALKERS], reference("ferminet", "fori", F32)["energy"], 1e-5)
-
-
-def test_sparse_folx_in_batch_size_chunks() -> None:
-    """Sparse-Jacobian folx, unmodified, in chunks of 2 that do not divide a device's 5 walkers."""
-    params, walkers = inputs("ferminet", F64)
-    local_energy = hamiltonian.make_local_energy(MODELS["ferminet"].log_psi, LI, "folx_sparse")
-    energy_all = sv.walker_parallel(batch_size=2)(sv.replicated_args("params")(local_energy))
-    with x64(F64), sv.use_mesh(sv.create_mesh(jax.devices()[:3])), padding_expected(3):
-        energy = energy_all(params, walkers)
-    assert_close(energy, reference("ferminet", "folx_sparse", F64)["energy"], RTOL)
+    assert_close(energy[:N_WALKERS], reference("ferminet", "fori", F64)["energy"], 2e-4)
