@@ -80,6 +80,7 @@ class _Config:
     solver: str
     maxiter: int
     has_previous: bool
+    all_valid: bool = False  # no padding walkers: the reductions need no mask (no masked copy of J)
 
 
 # ----------------------------------------------------------------------------- the pieces
@@ -139,8 +140,9 @@ def _dense(mesh: Mesh, axis: str, cfg: _Config, j: Any, e: Any, mu: Any, emean: 
     n, r, p = j.shape
     jc = _centred(j, mu, s["scale"]).reshape(n * r, p)
     ec = _centred(e, emean, s["scale"]).reshape(n * r)
-    big_s = jtj(jc, r * count, mesh=mesh, axis_name=axis)
-    b = jtv(jc, ec, r * count, mesh=mesh, axis_name=axis)
+    valid = None if cfg.all_valid else r * count
+    big_s = jtj(jc, valid, mesh=mesh, axis_name=axis)
+    b = jtv(jc, ec, valid, mesh=mesh, axis_name=axis)
     x = _solve(big_s, s["damping"], jnp.zeros(p, bool), b, cfg.solver, s["rcond"])
     return x, jnp.zeros((), jnp.int32), _relative_residual(big_s @ x + s["damping"] * x, b)
 
@@ -200,7 +202,7 @@ def _sample_space(mesh: Mesh, axis: str, cfg: _Config, j: Any, e: Any, mu: Any, 
     y = _solve(t, s["damping"], unused, rhs, cfg.solver, s["rcond"])
     residual = _relative_residual(t @ y + s["damping"] * y, rhs)
     j_rows = j[:, :, :p].reshape(m, p)
-    mapped = jtv(j_rows, y, r * count, mesh=mesh, axis_name=axis)
+    mapped = jtv(j_rows, y, None if cfg.all_valid else r * count, mesh=mesh, axis_name=axis)
     mapped = mapped - jnp.einsum("rp,r->p", jnp.conj(mu), y.reshape(n, r).sum(axis=0))  # the centring of Jc
     update = mapped * jax.lax.rsqrt(count.astype(mapped.real.dtype))
     if cfg.has_previous:
@@ -280,7 +282,7 @@ def _program(cfg: _Config, mesh: Mesh, axis: str, treedef: Any) -> Any:
             (j, e), _ = pad_walker((j, e), pad_n_walkers(n, d))
         j, e = (jax.lax.with_sharding_constraint(x, walker) for x in (j, e))
         j, e = _rows(j, e, cfg.real)
-        mu, emean = walker_mean((j, e), count, mesh=mesh, axis_name=axis)
+        mu, emean = walker_mean((j, e), None if cfg.all_valid else count, mesh=mesh, axis_name=axis)
         scale = jax.lax.rsqrt(count.astype(j.real.dtype))
         scalars = dict(scalars, scale=scale)
         return _SOLVERS[cfg.method](mesh, axis, cfg, j, e, mu, emean, count, scalars)
@@ -490,6 +492,7 @@ def natural_gradient(
             message(_WHERE, "previous= is SPRING's momentum state.", fix="pass method='spring', or drop previous=.")
         )
 
+    all_valid = n_valid is None and n % d == 0
     concrete = not any(isinstance(x, jax.core.Tracer) for x in [*leaves, e, count])
     if concrete and n % d:  # pad once here, so the arguments can be placed walker-sharded
         (leaves, e), _ = pad_walker((list(leaves), e), n_pad)
@@ -507,7 +510,7 @@ def natural_gradient(
     chosen = None
     for name, n_chunks, reason in _candidates(method, n_pad, p, rows, chunks):
         estimate = estimate_bytes(name, n_pad, p, d, itemsize, rows=rows, chunks=n_chunks)
-        cfg = _Config(name, n_chunks, real, solver, int(maxiter), has_previous)
+        cfg = _Config(name, n_chunks, real, solver, int(maxiter), has_previous, all_valid)
         if method == "auto" and estimate > budget:
             tried.append(f"{name} (chunks={n_chunks}): about {format_bytes(estimate)} estimated")
             continue
