@@ -471,9 +471,13 @@ def natural_gradient(
             message(_WHERE, f"unknown method {method!r}.", expected=f"'auto' or one of {METHODS}", fix="pick one.")
         )
     if solver not in ("cholesky", "eigh"):
-        raise CallError(message(_WHERE, f"unknown solver {solver!r}.", expected="'cholesky' or 'eigh'"))
+        raise CallError(
+            message(_WHERE, f"unknown solver {solver!r}.", expected="'cholesky' or 'eigh'", fix="pick one.")
+        )
     if chunks is not None and (not isinstance(chunks, int) or chunks < 1):
-        raise CallError(message(_WHERE, "chunks must be a positive int or None.", got=repr(chunks)))
+        raise CallError(
+            message(_WHERE, "chunks must be a positive int or None.", got=repr(chunks), fix="pass e.g. chunks=4.")
+        )
     leaves, treedef = jax.tree_util.tree_flatten(J)
     n = _check_shapes(leaves, J, e)
     check_n_valid(_WHERE, n_valid, n)
@@ -512,13 +516,13 @@ def natural_gradient(
         estimate = estimate_bytes(name, n_pad, p, d, itemsize, rows=rows, chunks=n_chunks)
         cfg = _Config(name, n_chunks, real, solver, int(maxiter), has_previous, all_valid)
         if method == "auto" and estimate > budget:
-            tried.append(f"{name} (chunks={n_chunks}): about {format_bytes(estimate)} estimated")
+            tried.append(f"{_label(name, n_chunks)}: about {format_bytes(estimate)} estimated")
             continue
         compiled, mem = _compile(cfg, mesh, axis_name, treedef, signature + (out_dtype,))
         if mem.total_bytes <= budget:
             chosen = (cfg, compiled, mem, reason)
             break
-        tried.append(f"{name} (chunks={n_chunks}): {format_bytes(mem.total_bytes)} compiled")
+        tried.append(f"{_label(name, n_chunks)}: {format_bytes(mem.total_bytes)} compiled")
     if chosen is None:
         raise CallError(_budget_message(method, tried, budget, n_pad, p, d, itemsize, rows, mesh, leaves))
     cfg, compiled, mem, reason = chosen
@@ -569,6 +573,10 @@ def natural_gradient(
         residual=residual,
     )
     return update, info
+
+
+def _label(method: str, chunks: int) -> str:
+    return method if method in ("dense", "cg") else f"{method} (chunks={chunks})"
 
 
 def _agree_n_valid(n_valid: Any, *counts: int | None) -> Any:
