@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     n = args.walkers
     facts: dict[str, Any] = {}
-    for p in (int(x) for x in args.params.split(",")):
+    for p in (int(x) for x in args.params.split(",") if x):
         j = jax.ShapeDtypeStruct((n, p), jnp.float32, sharding=walker)
         e = jax.ShapeDtypeStruct((n,), jnp.float32, sharding=walker)
         base = None
@@ -172,7 +172,8 @@ def main(argv: list[str] | None = None) -> int:
             )
 
     rng = np.random.default_rng(0)
-    for p, n_time in zip((int(x) for x in args.time_params.split(",")), (int(x) for x in args.time_walkers.split(","))):
+    sizes = zip((int(x) for x in args.time_params.split(",") if x), (int(x) for x in args.time_walkers.split(",") if x))
+    for p, n_time in sizes:
         j = sv.shard_walker(jnp.asarray(rng.normal(size=(n_time, p)), jnp.float32), mesh)
         e = sv.shard_walker(jnp.asarray(rng.normal(size=n_time), jnp.float32), mesh)
         fns = {name: jax.jit(variants[name]) for name in ("replicated solve (all-gather J)", "minsr", "cg")}

@@ -553,8 +553,8 @@ def natural_gradient(
         walker = NamedSharding(mesh, PartitionSpec(axis_name))
         replicated = NamedSharding(mesh, PartitionSpec())
         args = (
-            tuple(jax.device_put(jnp.asarray(leaf), walker) for leaf in leaves),
-            jax.device_put(jnp.asarray(e), walker),
+            tuple(jax.device_put(leaf, walker) for leaf in leaves),
+            jax.device_put(e, walker),
             jax.device_put(count_arr, replicated),
             jax.tree_util.tree_map(lambda x: jax.device_put(x, replicated), scalars),
         )
