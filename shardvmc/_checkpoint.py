@@ -25,7 +25,7 @@ from . import _compat
 from ._errors import CallError, message
 from ._mesh import resolve_mesh
 from ._placement import gather_walkers, leading_size, pad_n_walkers, pad_walker, replicate, shard_walker
-from ._reductions import check_n_valid
+from ._walkerset import check_n_valid
 
 __all__ = ["Checkpoint", "load_walkers", "save_walkers"]
 
