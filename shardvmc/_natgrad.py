@@ -27,8 +27,9 @@ from ._errors import CallError, message
 from ._memory import compiled_memory, device_memory_budget, format_bytes
 from ._mesh import resolve_mesh
 from ._placement import leading_size, pad_n_walkers, pad_walker
-from ._reductions import _masked, check_n_valid, jtj, jtv, local_valid_mask, walker_mean
-from ._walkerset import split_walker_set
+from ._reductions import jtj, jtv, walker_mean
+from ._stats import masked
+from ._walkerset import check_n_valid, split_walker_set
 
 __all__ = ["METHODS", "NaturalGradientInfo", "estimate_bytes", "natural_gradient"]
 
@@ -89,6 +90,14 @@ class _Config:
 def _centred(x: jax.Array, mean: jax.Array, scale: jax.Array) -> jax.Array:
     """``(x - mean) * scale``: the one centring of the walker data (``scale = 1/sqrt(N)``)."""
     return (x - mean) * scale.astype(x.real.dtype)
+
+
+def _valid_rows(axis: str, n_local: int, count: Any) -> jax.Array:
+    """Inside ``shard_map``: which of this device's ``n_local`` walkers are valid (global index < count).
+
+    The engine's kernel bodies compute the same; it is not exported from ``_kernel``.
+    """
+    return jax.lax.axis_index(axis) * n_local + jnp.arange(n_local) < count
 
 
 def _rmatvec(jc: jax.Array, w: jax.Array) -> jax.Array:
@@ -173,11 +182,11 @@ def _sample_space(mesh: Mesh, axis: str, cfg: _Config, j: Any, e: Any, mu: Any, 
     momentum = s["momentum"] if cfg.method == "spring" else jnp.zeros((), j.real.dtype)
 
     def body(j_loc: jax.Array, e_loc: jax.Array, mu_b: jax.Array, emean: Any, count: Any) -> Any:
-        mask = local_valid_mask(axis, n_local, count)
+        mask = _valid_rows(axis, n_local, count)
         scale = jax.lax.rsqrt(count.astype(j_loc.real.dtype))
-        rhs = _masked(_centred(e_loc, emean, scale), mask)
+        rhs = masked(_centred(e_loc, emean, scale), mask)
         if cfg.has_previous:
-            rhs = rhs - momentum * _masked(_centred(j_loc[:, :, :p] @ previous, mu @ previous, scale), mask)
+            rhs = rhs - momentum * masked(_centred(j_loc[:, :, :p] @ previous, mu @ previous, scale), mask)
         rhs = jax.lax.all_gather(rhs.reshape(n_local * r), axis, tiled=True)
 
         def add_block(k: Any, t: jax.Array) -> jax.Array:
@@ -219,10 +228,10 @@ def _cg(mesh: Mesh, axis: str, cfg: _Config, j: Any, e: Any, mu: Any, emean: Any
     real_dtype = j.real.dtype
 
     def body(j_loc: jax.Array, e_loc: jax.Array, mu: Any, emean: Any, count: Any, damping: Any, tol: Any) -> Any:
-        mask = local_valid_mask(axis, n_local, count)
+        mask = _valid_rows(axis, n_local, count)
         scale = jax.lax.rsqrt(count.astype(real_dtype))
-        jc = _masked(_centred(j_loc, mu, scale), mask).reshape(n_local * r, p)
-        ec = _masked(_centred(e_loc, emean, scale), mask).reshape(n_local * r)
+        jc = masked(_centred(j_loc, mu, scale), mask).reshape(n_local * r, p)
+        ec = masked(_centred(e_loc, emean, scale), mask).reshape(n_local * r)
         b, diag = jax.lax.psum((_rmatvec(jc, ec), jnp.sum(jnp.abs(jc) ** 2, axis=0)), axis)
         precondition = 1.0 / (diag + damping)
 
