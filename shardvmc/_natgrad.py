@@ -81,6 +81,7 @@ class _Config:
     solver: str
     maxiter: int
     has_previous: bool
+    jacobi: bool = True  # CG: diagonal preconditioner
     all_valid: bool = False  # no padding walkers: the reductions need no mask (no masked copy of J)
 
 
@@ -233,7 +234,7 @@ def _cg(mesh: Mesh, axis: str, cfg: _Config, j: Any, e: Any, mu: Any, emean: Any
         jc = masked(_centred(j_loc, mu, scale), mask).reshape(n_local * r, p)
         ec = masked(_centred(e_loc, emean, scale), mask).reshape(n_local * r)
         b, diag = jax.lax.psum((_rmatvec(jc, ec), jnp.sum(jnp.abs(jc) ** 2, axis=0)), axis)
-        precondition = 1.0 / (diag + damping)
+        precondition = 1.0 / (diag + damping) if cfg.jacobi else jnp.ones((), real_dtype)
 
         def apply(v: jax.Array) -> jax.Array:
             return jax.lax.psum(_rmatvec(jc, jc @ v), axis) + damping * v
@@ -385,6 +386,7 @@ def natural_gradient(
     rcond: float = 1e-10,
     tol: float = 1e-6,
     maxiter: int = 200,
+    precondition: bool | None = None,
     chunks: int | None = None,
     memory_budget: int | None = None,
     mesh: Mesh | None = None,
@@ -440,6 +442,11 @@ def natural_gradient(
         rcond: the relative eigenvalue cutoff of ``solver="eigh"``.
         tol: CG's relative residual target.
         maxiter: CG's iteration limit.
+        precondition: CG with the Jacobi (diagonal) preconditioner ``diag(S) + damping``;
+            ``None``: only when P <= N. When P > N the right-hand side lies in the
+            N-dimensional range of ``Jc^H``, where plain CG stays, while a diagonal
+            scaling mixes in the null space of ``S``, whose eigenvalue is only
+            ``damping``: a small residual then hides a large error.
         chunks: minSR/SPRING: build ``T`` over this many slices of the parameters
             (less memory per device, the same result); ``None``: 1, or the fewest of
             1, 4, 16, 64 that fit under ``method="auto"``.
@@ -519,11 +526,12 @@ def natural_gradient(
     budget = int(memory_budget) if memory_budget is not None else device_memory_budget(mesh.devices.flat[0])
     itemsize = np.dtype(real_dtype).itemsize * (1 if real else 2)
 
+    jacobi = p <= n_pad * rows if precondition is None else bool(precondition)
     tried: list[str] = []
     chosen = None
     for name, n_chunks, reason in _candidates(method, n_pad, p, rows, chunks):
         estimate = estimate_bytes(name, n_pad, p, d, itemsize, rows=rows, chunks=n_chunks)
-        cfg = _Config(name, n_chunks, real, solver, int(maxiter), has_previous, all_valid)
+        cfg = _Config(name, n_chunks, real, solver, int(maxiter), has_previous, jacobi, all_valid)
         if method == "auto" and estimate > budget:
             tried.append(f"{_label(name, n_chunks)}: about {format_bytes(estimate)} estimated")
             continue

@@ -104,10 +104,10 @@ def test_complex_matches_numpy(method, real_params):
 
 
 def test_more_walkers_than_parameters():
-    """P < N: dense and minSR solve the same system from the two sides."""
+    """P < N: dense and minSR solve the same system from the two sides; CG (Jacobi-preconditioned here) too."""
     j, e = problem(seed=2, n=24, p=5, n_valid=21)
     want = reference(j, e, 21, DAMPING)
-    for method in ("dense", "minsr"):
+    for method in ("dense", "minsr", "cg"):
         np.testing.assert_allclose(solve(3, method, j=j, e=e, n_valid=21)[0], want, rtol=1e-9, atol=1e-9)
 
 
