@@ -7,8 +7,9 @@ The trial function is the Slater-Jastrow (Pade-Jastrow) form
 with two parameters, optimised by stochastic reconfiguration (SR). Every piece of
 per-walker physics (the Metropolis step, the local energy, the log-derivatives) is
 written for ONE walker and made walker-parallel with ``sv.walker_parallel``; the
-statistics come out of the kernels as ``Mean`` outputs and the SR matrices from
-``sv.jtj`` / ``sv.jtv``, so per-walker data never leaves its device.
+statistics come out of the kernels as ``Mean`` outputs and the SR update from
+``sv.natural_gradient`` (dense SR on ``sv.jtj`` / ``sv.jtv``), so per-walker data never
+leaves its device.
 
 Run it (8 fake CPU devices when there is no accelerator):
 
@@ -136,7 +137,7 @@ def measure(
     """Local energy and log-derivatives of ONE walker.
 
     Returns the per-walker energy ``e`` and log-derivative row ``j`` (both stay sharded,
-    for ``sv.jtj``/``sv.jtv``), and the means of ``e``, ``e**2`` and ``j``.
+    for ``sv.natural_gradient``), and the means of ``e``, ``e**2`` and ``j``.
     """
     e = local_energy(params, walker.r)
     j = ravel_pytree(jax.grad(log_psi)(params, walker.r))[0]
@@ -234,13 +235,17 @@ def make_step(
     def step(params: Params, walker_set: Walker, key: jax.Array, update: jax.Array) -> Any:
         walker_set, acceptance = sample(params, walker_set, key)
         e, j, e_mean, e2_mean, j_mean = kernels.measure(params, walker_set, n_valid=n_valid)
-        # SR: S = <j j^T> - <j><j>^T, energy gradient g = 2 (<j e> - <j><e>).
-        # sv.jtj / sv.jtv reduce on each device and all-reduce P x P results: j is never gathered.
-        s = sv.jtj(j, n_valid, mesh=mesh) / n_valid - jnp.outer(j_mean, j_mean)
-        g = 2.0 * (sv.jtv(j, e, n_valid, mesh=mesh) / n_valid - j_mean * e_mean)
-        delta = jnp.linalg.solve(s + jnp.diag(1e-3 * jnp.diag(s) + 1e-6), g)
-        # Trust region: the step's length in the SR metric, lr^2 delta.S.delta, is at most max_norm.
-        lr = jnp.minimum(learning_rate, jnp.sqrt(max_norm / (delta @ s @ delta)))
+        # --8<-- [start:sr]
+        # SR: delta = (S + damping)^-1 g with S = <j j^T> - <j><j>^T and the energy gradient
+        # g = 2 (<j e> - <j><e>). With P = 2 parameters the dense P x P solve is the one to use;
+        # its S comes from sv.jtj (one all-reduce), so j is never gathered.
+        update, _ = sv.natural_gradient(j, e, n_valid=n_valid, damping=1e-4, method="dense", mesh=mesh)
+        delta = 2.0 * update
+        # Trust region: the step's length in the SR metric, lr^2 delta.S.delta, is at most max_norm
+        # (delta.S.delta is the variance of j.delta over the walkers).
+        delta_s_delta = sv.walker_mean(jax.tree.map(lambda x: (x @ delta) ** 2, j), n_valid) - (j_mean @ delta) ** 2
+        lr = jnp.minimum(learning_rate, jnp.sqrt(max_norm / delta_s_delta))
+        # --8<-- [end:sr]
         flat, unravel = ravel_pytree(params)
         params = unravel(flat - jnp.where(update, lr, 0.0) * delta)
         params = params.replace(beta=jnp.maximum(params.beta, 0.05))  # keep the Jastrow free of poles

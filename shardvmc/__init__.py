@@ -34,6 +34,8 @@ from ._mesh import get_walker_sharding as get_walker_sharding
 from ._mesh import is_multi_gpu as is_multi_gpu
 from ._mesh import n_devices as n_devices
 from ._mesh import use_mesh as use_mesh
+from ._natgrad import NaturalGradientInfo as NaturalGradientInfo
+from ._natgrad import natural_gradient as natural_gradient
 from ._placement import assemble_sharded as assemble_sharded
 from ._placement import gather_walkers as gather_walkers
 from ._placement import pad_n_walkers as pad_n_walkers
@@ -61,6 +63,7 @@ __all__ = [
     "CommunicationWarning",
     "DecorationError",
     "Mean",
+    "NaturalGradientInfo",
     "PaddingWarning",
     "PerWalker",
     "Replicated",
@@ -85,6 +88,7 @@ __all__ = [
     "jtv",
     "load_walkers",
     "n_devices",
+    "natural_gradient",
     "pad_n_walkers",
     "pad_walker",
     "replicate",

@@ -16,6 +16,8 @@ PUBLIC = {
     "Mean", "Sum",
     # reductions
     "walker_mean", "walker_sum", "jtj", "jtv",
+    # natural gradient
+    "natural_gradient", "NaturalGradientInfo",
     # errors and warnings
     "ShardvmcError", "DecorationError", "CallError", "UnhashableStaticError", "PaddingWarning",
     "CommunicationWarning",

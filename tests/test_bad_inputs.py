@@ -110,6 +110,8 @@ class Walkers:
 
 
 R8 = np.ones((8, 2, 3), np.float32)
+J8 = np.arange(8 * 5, dtype=np.float32).reshape(8, 5) % 7
+E8 = np.arange(8, dtype=np.float32)
 ONE = np.float32(1.0)
 
 
@@ -223,6 +225,20 @@ CATALOGUE = [
     Bad("save_walkers: metadata JSON cannot hold",
         lambda: sv.save_walkers("/nonexistent/x.npz", {"r": R8}, metadata={"e": jnp.float32(1.0)}), sv.CallError,
         ("save_walkers", "metadata", "JSON", "float(energy)")),
+    Bad("natural_gradient: n_valid disagrees with the WalkerSet",
+        lambda: sv.natural_gradient(sv.WalkerSet(J8, 6), sv.WalkerSet(E8, 6), n_valid=7, damping=1e-3), sv.CallError,
+        ("natural_gradient", "n_valid=7", "n_valid=6", "omit n_valid=")),
+    Bad("natural_gradient: energies not one per walker",
+        lambda: sv.natural_gradient(J8, np.float32(-2.9), damping=1e-3), sv.CallError,
+        ("natural_gradient", "one local energy per walker", "e of shape (8,)", "not their mean")),
+    Bad("natural_gradient: unknown method", lambda: sv.natural_gradient(J8, E8, damping=1e-3, method="sr"),
+        sv.CallError, ("natural_gradient", "unknown method 'sr'", "'minsr'", "pick one")),
+    Bad("natural_gradient: zero damping with a Cholesky solve",
+        lambda: sv.natural_gradient(J8, E8, damping=0.0, method="minsr"), sv.CallError,
+        ("natural_gradient", "damping=0.0", "solver='eigh'", "damping=1e-3")),
+    Bad("natural_gradient: solver over the memory budget",
+        lambda: sv.natural_gradient(J8, E8, damping=1e-3, method="dense", memory_budget=64), sv.CallError,
+        ("natural_gradient", "no solver fits", "method='dense'", "tried: dense", "raise memory_budget=")),
 ]  # fmt: skip
 
 
