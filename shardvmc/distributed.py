@@ -13,9 +13,13 @@ Example:
 
 from __future__ import annotations
 
+import atexit
 import importlib.metadata
 import importlib.util
+import logging
 import os
+import sys
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -44,6 +48,9 @@ _ACCELERATOR_PLUGINS = (
 
 # What this module passed to jax.distributed.initialize, to compare a second call with.
 _SETTINGS: dict[str, Any] | None = None
+
+# The exit code of a failing exit of the main thread (sys.exit(non-zero), uncaught exception).
+_FAILED_EXIT: int | None = None
 
 
 def is_launched() -> bool:
@@ -131,6 +138,63 @@ def _pin_gloo_to(host: str) -> None:
     module.make_gloo_tcp_collectives = make_on_host
 
 
+def _exit_code(status: Any) -> int:
+    """The process exit code Python gives ``sys.exit(status)``."""
+    if status is None:
+        return 0
+    if isinstance(status, bool) or not isinstance(status, int):
+        return 1  # sys.exit("message") prints the message and exits with 1
+    return status & 0xFF
+
+
+def _fail_fast_on_exit() -> None:
+    """Make a failing exit skip JAX's shutdown barrier, so the other processes learn of it.
+
+    At exit, JAX's ``distributed.shutdown()`` waits (up to 5 minutes) for every process
+    to arrive; a process that fails while its peers keep computing would sit there,
+    alive, and the launcher (or a cluster scheduler) could not tell that it failed.
+    Python offers no way to read the exit code at exit, so the two ways a program fails
+    are recorded as they happen: ``sys.exit`` with a non-zero status in the main thread
+    and an uncaught exception (through ``sys.excepthook``, which runs before exit). A
+    handler registered after JAX's own (so run before it) flushes the output and ends
+    the process with that code at once (``os._exit``: exit handlers registered before
+    ``initialize`` are skipped too; JAX's teardown would wait in the barrier otherwise).
+    A successful exit is untouched.
+    """
+
+    def record(code: int) -> None:
+        global _FAILED_EXIT
+        if code and threading.current_thread() is threading.main_thread():
+            _FAILED_EXIT = code
+
+    def exit_(status: Any = None) -> None:
+        record(_exit_code(status))
+        real_exit(status)
+
+    def excepthook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
+        record(128 + 2 if issubclass(kind, KeyboardInterrupt) else 1)
+        real_hook(kind, value, tb)
+
+    def exit_now() -> None:
+        if _FAILED_EXIT is None:
+            return
+        logging.shutdown()
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:  # pragma: no cover - a closed stream
+                pass
+        os._exit(_FAILED_EXIT)
+
+    if getattr(sys.exit, "shardvmc_fail_fast", False):
+        return
+    real_exit, real_hook = sys.exit, sys.excepthook
+    exit_.shardvmc_fail_fast = True  # type: ignore[attr-defined]
+    sys.exit = exit_
+    sys.excepthook = excepthook
+    atexit.register(exit_now)  # atexit runs last-registered first: before JAX's shutdown
+
+
 def _check_same(requested: dict[str, Any]) -> None:
     """A second call: nothing to do if it asks for what is set up, else a clear error."""
     current = {k: v for k, v in (_SETTINGS or {}).items() if v is not None}
@@ -167,6 +231,13 @@ def initialize(
     may follow ``import shardvmc`` and the decoration of functions.
 
     Calling it again is a no-op when the settings asked for are the ones in place.
+
+    A process that then fails, by ``sys.exit(code)`` with a non-zero code in the main
+    thread or by an uncaught exception, exits at once with that code (1 for an
+    exception) instead of waiting up to 5 minutes in JAX's shutdown barrier for peers
+    that are still computing: ``python -m shardvmc.launch`` sees the failure and stops
+    the others. (A ``SystemExit`` raised with ``raise`` or caught and ignored by the
+    program is not seen; a successful exit still waits for the peers, as JAX's does.)
 
     Args:
         coordinator_address: ``host:port`` of process 0's coordinator service.
@@ -227,6 +298,7 @@ def initialize(
         local_device_ids=local_device_ids,
         **kwargs,
     )
+    _fail_fast_on_exit()
     try:  # what auto-detection settled on (no public spelling)
         from jax._src.distributed import global_state
 
