@@ -14,6 +14,7 @@ Example:
 from __future__ import annotations
 
 import atexit
+import hashlib
 import importlib.metadata
 import importlib.util
 import logging
@@ -24,10 +25,18 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import numpy as np
 
 from ._errors import CallError, message
 
-__all__ = ["ENV_COORDINATOR", "ENV_NUM_PROCESSES", "ENV_PROCESS_ID", "initialize", "is_launched"]
+__all__ = [
+    "ENV_COORDINATOR",
+    "ENV_NUM_PROCESSES",
+    "ENV_PROCESS_ID",
+    "check_consistent",
+    "initialize",
+    "is_launched",
+]
 
 ENV_COORDINATOR = "SHARDVMC_COORDINATOR_ADDRESS"
 """Environment variable the launcher sets to the coordinator's ``host:port``."""
@@ -306,3 +315,108 @@ def initialize(
     except ImportError:  # pragma: no cover
         pass
     _SETTINGS = requested
+
+
+def _local_copy(leaf: Any) -> np.ndarray:
+    """This process's copy of a replicated leaf as host data (typed keys as their key data)."""
+    if isinstance(leaf, jax.Array):
+        if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+            leaf = jax.random.key_data(leaf)
+        if not leaf.is_fully_addressable:
+            leaf = leaf.addressable_data(0)  # one device's full copy: no transfer between processes
+    return np.ascontiguousarray(np.asarray(leaf))
+
+
+def _digest(*parts: bytes) -> np.ndarray:
+    """A 64-bit checksum of ``parts`` as two int32 (what every collective can carry)."""
+    h = hashlib.blake2b(digest_size=8)
+    for part in parts:
+        h.update(len(part).to_bytes(8, "little"))
+        h.update(part)
+    return np.frombuffer(h.digest(), dtype=np.int32).copy()
+
+
+def _differing(column: np.ndarray) -> str:
+    """Which processes hold which value: ``processes [0, 2] vs [1]`` (by checksum)."""
+    groups: dict[bytes, list[int]] = {}
+    for process, row in enumerate(column):
+        groups.setdefault(row.tobytes(), []).append(process)
+    return "processes " + " vs ".join(str(g) for g in sorted(groups.values()))
+
+
+def check_consistent(tree: Any, *, what: str = "params") -> None:
+    """Check that every process holds the same values of a replicated pytree.
+
+    Each process computes a 64-bit checksum (BLAKE2b of the bytes, dtype and shape) of
+    its own copy of every leaf, and only these checksums travel between processes (one
+    all-gather of two int32 per process, then one of two int32 per leaf and process);
+    no leaf is gathered. Bitwise equality is checked: processes that diverged by one
+    rounding step are reported. Cheap enough to run every few hundred steps; in a
+    single process it returns at once. Call it on every process (a collective).
+
+    Args:
+        tree: a pytree meant to be identical on every process (parameters, optimiser
+            state, a shared key): replicated ``jax.Array``s, host arrays or numbers.
+        what: the name of ``tree`` in the error message.
+
+    Raises:
+        CallError: naming the leaves (pytree paths) that differ and which processes
+            hold which value, or the processes whose pytree has another structure,
+            shapes or dtypes; also for a leaf sharded over the walker axis, which is
+            not replicated.
+
+    Example:
+        >>> import jax.numpy as jnp, shardvmc as sv
+        >>> sv.distributed.check_consistent({"w": jnp.ones(3), "b": 0.5})  # one process: nothing to compare
+    """
+    where = "shardvmc.distributed.check_consistent"
+    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+    names = [jax.tree_util.keystr(path) or "<root>" for path, _ in flat]
+    for name, (_, leaf) in zip(names, flat):
+        if isinstance(leaf, jax.Array) and not leaf.sharding.is_fully_replicated:
+            raise CallError(
+                message(
+                    where,
+                    f"leaf {name} of {what} is sharded ({leaf.sharding}), so processes hold different parts of it.",
+                    got=f"{leaf.dtype}{list(leaf.shape)}",
+                    expected="replicated leaves (sv.replicate) or host values",
+                    fix=f"pass only the replicated part of {what}; per-walker data differs between processes.",
+                )
+            )
+    if jax.process_count() == 1:
+        return
+    from jax.experimental import multihost_utils
+
+    local = [_local_copy(leaf) for _, leaf in flat]
+    layout = repr([(name, str(x.dtype), x.shape) for name, x in zip(names, local)]).encode()
+    layouts = np.asarray(multihost_utils.process_allgather(_digest(layout)))
+    if len({row.tobytes() for row in layouts}) > 1:
+        raise CallError(
+            message(
+                where,
+                f"{what} has another structure, shape or dtype on some processes.",
+                got=_differing(layouts) + f"; this is process {jax.process_index()} with {len(local)} leaves",
+                expected="the same pytree of the same shapes and dtypes on every process",
+                fix=f"build {what} the same way on every process (same config, same code version).",
+            )
+        )
+    if not local:
+        return
+    sums = np.stack([_digest(x.tobytes()) for x in local])
+    every = np.asarray(multihost_utils.process_allgather(sums))  # (processes, leaves, 2)
+    bad = [i for i in range(len(local)) if len({row.tobytes() for row in every[:, i]}) > 1]
+    if bad:
+        shown = "; ".join(f"{names[i]}: {_differing(every[:, i])}" for i in bad[:8])
+        more = f" (and {len(bad) - 8} more)" if len(bad) > 8 else ""
+        raise CallError(
+            message(
+                where,
+                f"{what} differ between processes in {len(bad)} of {len(local)} leaves: "
+                f"{', '.join(names[i] for i in bad[:8])}{more}.",
+                got=shown + more,
+                expected=f"bitwise identical {what} on every process",
+                fix=f"create {what} from the same seed on every process, or make them equal with "
+                "jax.experimental.multihost_utils.broadcast_one_to_all(...); updates must use only "
+                "all-reduced (Mean/Sum) quantities, never per-process ones.",
+            )
+        )

@@ -72,6 +72,8 @@ def test_restore_from_8_devices_onto_another_mesh(tmp_path: Path, mesh: Any) -> 
     restored, n_valid, meta = sv.load_walkers(path, walkers, mesh)
 
     assert n_valid == 20 and meta == {"step": 1000, "energy": -2.9}
+    assert isinstance(restored, sv.WalkerSet) and restored.n_valid == 20
+    restored = restored.data
     n_pad = sv.pad_n_walkers(20, mesh.size)
     assert_same_walkers(restored, walkers, 20)
     for path_, leaf in jax.tree_util.tree_flatten_with_path(restored)[0]:
@@ -109,7 +111,7 @@ def test_resumed_chain_continues_the_uninterrupted_one(tmp_path: Path) -> None:
         r = step8(jax.random.fold_in(key, t), r)
     sv.save_walkers(tmp_path / "chain.npz", {"r": r}, n_valid=13, metadata={"t": 5})
     restored, n_valid, meta = sv.load_walkers(tmp_path / "chain.npz", {"r": r}, mesh3)
-    r = restored["r"]
+    r = restored.data["r"]
     for t in range(meta["t"], 10):
         r = step3(jax.random.fold_in(key, t), r)
     np.testing.assert_allclose(np.asarray(r)[:n_valid], np.asarray(uninterrupted)[:13], rtol=1e-6, atol=1e-6)
@@ -121,6 +123,7 @@ def test_like_may_be_shape_dtype_structs_and_n_valid_defaults_to_all(tmp_path: P
     like = (jax.ShapeDtypeStruct((1, 2), jnp.float32), {"w": jax.ShapeDtypeStruct((1,), jnp.int32)})
     out, n_valid, meta = sv.load_walkers(tmp_path / "c.npz", like, sv.create_mesh(jax.devices()[:4]))
     assert n_valid == 6 and meta == {}
+    out = out.data
     assert out[0].shape == (8, 2) and out[1]["w"].shape == (8,)
     np.testing.assert_array_equal(np.asarray(out[0])[:6], tree[0])
 
@@ -129,7 +132,7 @@ def test_x64_walkers_round_trip_and_need_x64_to_load(tmp_path: Path) -> None:
     with jax.enable_x64(True):
         x = jnp.arange(8, dtype=jnp.float64) / 3
         sv.save_walkers(tmp_path / "x64.npz", {"x": x})
-        out = sv.load_walkers(tmp_path / "x64.npz", {"x": x}).walkers["x"]
+        out = sv.load_walkers(tmp_path / "x64.npz", {"x": x}).walkers.data["x"]
         assert out.dtype == jnp.float64
         np.testing.assert_array_equal(np.asarray(out), np.asarray(x))
     with pytest.raises(sv.CallError, match=r"(?s)leaf \['x'\] was saved as float64, but `like` has float32.*x64"):
@@ -140,7 +143,7 @@ def test_the_use_mesh_mesh_is_the_default(tmp_path: Path) -> None:
     sv.save_walkers(tmp_path / "c.npz", {"r": np.ones((5, 2), np.float32)})
     mesh = sv.create_mesh(jax.devices()[:2])
     with sv.use_mesh(mesh):
-        r = sv.load_walkers(tmp_path / "c.npz", {"r": np.ones((1, 2), np.float32)}).walkers["r"]
+        r = sv.load_walkers(tmp_path / "c.npz", {"r": np.ones((1, 2), np.float32)}).walkers.data["r"]
     assert r.sharding.mesh == mesh and r.shape == (6, 2)
 
 
@@ -149,7 +152,7 @@ def test_saving_replaces_the_file_and_leaves_no_temporary_files(tmp_path: Path) 
     sv.save_walkers(path, {"r": np.zeros((4, 3), np.float32)}, metadata={"v": 1})
     sv.save_walkers(path, {"r": np.ones((4, 3), np.float32)}, metadata={"v": 2})
     ck = sv.load_walkers(path, {"r": np.zeros((1, 3), np.float32)})
-    assert ck.metadata == {"v": 2} and ck.n_valid == 4 and float(ck.walkers["r"][:4].sum()) == 12.0
+    assert ck.metadata == {"v": 2} and ck.n_valid == 4 and float(ck.walkers.data["r"][:4].sum()) == 12.0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.npz"]
     with np.load(path, allow_pickle=False) as data:  # a plain .npz that NumPy reads without pickle
         header = json.loads(bytes(data["__shardvmc__"]).decode())
@@ -223,7 +226,7 @@ def test_a_writer_killed_mid_write_leaves_the_previous_checkpoint(tmp_path: Path
 
     like = {"r": np.zeros((1, 3), np.float32)}
     walkers, n_valid, meta = sv.load_walkers(path, like, sv.create_mesh(jax.devices()[:1]))
-    r = np.asarray(walkers["r"])
+    r = np.asarray(walkers.data["r"])
     if meta["version"] == 0:
         assert n_valid == 4 and not r.any()
     else:  # a complete earlier big checkpoint
