@@ -487,13 +487,17 @@ class _Reader:
         for a, b, part in blocks:
             offsets.append(totals.get(part, 0))
             totals[part] = totals.get(part, 0) + b - a
-        first = self._checked(blocks[0][2], i, totals[blocks[0][2]], dtype)
-        shape = (len(source), *first.shape[1:])
+        if entry["key_impl"]:  # stored as key data: the key's own shape and dtype follow the walker's
+            data = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0, impl=entry["key_impl"])))
+            trailing, stored = (*entry["shape"][1:], *data.shape), data.dtype
+        else:
+            trailing, stored = tuple(entry["shape"][1:]), dtype
+        shape = (len(source), *trailing)
 
         def rows(index: tuple[slice, ...]) -> np.ndarray:
             wanted = source[index[0]]
             which = np.searchsorted(starts, wanted, side="right") - 1
-            out = np.empty((len(wanted), *first.shape[1:]), first.dtype)
+            out = np.empty((len(wanted), *trailing), stored)
             for k in np.unique(which):
                 a, _, part = blocks[k]
                 data = self._checked(part, i, totals[part], dtype)
