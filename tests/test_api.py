@@ -19,7 +19,7 @@ PUBLIC = {
     # errors and warnings
     "ShardvmcError", "DecorationError", "CallError", "UnhashableStaticError", "PaddingWarning",
     # checkpoints and multi-process
-    "save_walkers", "load_walkers", "Checkpoint", "distributed",
+    "save_walkers", "load_walkers", "Checkpoint", "RESIZED", "distributed",
 }  # fmt: skip
 
 

@@ -133,6 +133,57 @@ def test_like_may_be_shape_dtype_structs_and_n_valid_defaults_to_all(tmp_path: P
     np.testing.assert_array_equal(np.asarray(out[0])[:6], tree[0])
 
 
+def test_a_walker_set_carries_its_count_through_save_and_load(tmp_path: Path) -> None:
+    mesh = sv.create_mesh(jax.devices()[:4])
+    r = np.arange(24, dtype=np.float32).reshape(8, 3)
+    walkers = sv.WalkerSet({"r": sv.shard_walker(r, mesh)}, n_valid=6)
+    sv.save_walkers(tmp_path / "c.npz", walkers)  # n_valid from the WalkerSet
+    sv.save_walkers(tmp_path / "same.npz", walkers, n_valid=6)  # an explicit count that agrees is fine
+    restored, n_valid, meta = sv.load_walkers(tmp_path / "c.npz", walkers, sv.create_mesh(jax.devices()[:3]))
+    assert (n_valid, restored.n_valid, restored.n_walkers, meta) == (6, 6, 6, {})
+    assert RESIZED_KEY not in meta
+    np.testing.assert_array_equal(np.asarray(restored.data["r"]), r[:6])
+    with pytest.raises(sv.CallError, match=r"(?s)holds 6 walkers, but the WalkerSet `like` expects 8.*n_walkers=8"):
+        sv.load_walkers(tmp_path / "c.npz", walkers.replace(n_valid=8))
+
+
+RESIZED_KEY = "shardvmc.resized"
+
+
+@pytest.mark.parametrize(("n_walkers", "devices"), [(4, 3), (10, 8), (25, 8)])
+def test_elastic_restore_onto_another_walker_count(tmp_path: Path, n_walkers: int, devices: int) -> None:
+    """Fewer keeps the first walkers; more repeats the saved ones in order and says they need burn-in."""
+    walkers, _ = walkers_on(sv.create_mesh(jax.devices()[:8]), 10)
+    sv.save_walkers(tmp_path / "c.npz", walkers, n_valid=10, metadata={"step": 3})
+    mesh = sv.create_mesh(jax.devices()[:devices])
+    restored, n_valid, meta = sv.load_walkers(tmp_path / "c.npz", walkers, mesh, n_walkers=n_walkers)
+    n_pad = sv.pad_n_walkers(n_walkers, devices)
+    assert n_valid == restored.n_valid == n_walkers and restored.n_walkers == n_pad
+    source = [i % 10 for i in range(n_walkers)] + [0] * (n_pad - n_walkers)  # padding: copies of walker 0
+    for (path_, got), want in zip(
+        jax.tree_util.tree_flatten_with_path(restored.data)[0], jax.tree_util.tree_leaves(walkers)
+    ):
+        walker_leaf = got.ndim > 0
+        if jnp.issubdtype(got.dtype, jax.dtypes.prng_key):
+            got, want = jax.random.key_data(got), jax.random.key_data(want)
+        got, want = np.asarray(got), np.asarray(want)
+        np.testing.assert_array_equal(got, want[source] if walker_leaf else want, err_msg=jax.tree_util.keystr(path_))
+    assert sv.RESIZED == RESIZED_KEY
+    if n_walkers == 10:
+        assert meta == {"step": 3}
+    else:
+        assert meta == {
+            "step": 3,
+            RESIZED_KEY: {
+                "saved": 10,
+                "restored": n_walkers,
+                "duplicated": max(0, n_walkers - 10),
+                "dropped": max(0, 10 - n_walkers),
+                "needs_burn_in": n_walkers > 10,
+            },
+        }
+
+
 def test_x64_walkers_round_trip_and_need_x64_to_load(tmp_path: Path) -> None:
     with jax.enable_x64(True):
         x = jnp.arange(8, dtype=jnp.float64) / 3
