@@ -43,6 +43,7 @@ LINKS = {
 }
 GPUS = (8, 64, 256, 1024)
 PARAMS = (10_000, 100_000, 1_000_000)
+WALKER_TOTALS = (4096, 65536)
 CG_ITERATIONS = 100
 SCALARS = 1  # the Mean/Sum scalars of a step's energy kernel: one small all-reduce (latency only)
 WALKER_COST_S = 1e-3  # assumed: one walker's local energy + gradient on one GPU (see docs/cluster.md)
@@ -119,7 +120,30 @@ def model_tables() -> tuple[str, dict[str, Any]]:
             row = [min_walkers_per_gpu(method, params, g, bw, lat) for g in GPUS]
             data[f"min walkers/GPU {method} P={params}"] = row
             lines.append(f"| {method} | {params:.0e} | " + " | ".join("-" if n is None else str(n) for n in row) + " |")
+    lines.append(
+        "\nStrong scaling: the most GPUs (a power of 2, up to 1024) at which communication is still at most "
+        "10% of a step, for N walkers in all (InfiniBand):\n"
+    )
+    lines.append("| method | P | " + " | ".join(f"N = {n}" for n in WALKER_TOTALS) + " |")
+    lines.append("|---|---|" + "---|" * len(WALKER_TOTALS))
+    for method in ("gradient", "CG", "minSR"):
+        for params in PARAMS:
+            row = [max_gpus(method, params, n, bw, lat) for n in WALKER_TOTALS]
+            data[f"max GPUs {method} P={params}"] = row
+            lines.append(f"| {method} | {params:.0e} | " + " | ".join(str(g) for g in row) + " |")
     return "\n".join(lines), data
+
+
+def max_gpus(method: str, params: int, n: int, bandwidth: float, latency: float) -> int:
+    """The most GPUs (power of 2, <= 1024, <= n) for which n walkers keep communication at most 10% of a step."""
+    best = 1
+    for p in (2**k for k in range(1, 11)):
+        if p > n:
+            break
+        comm = step_comm_s(method, n, params, p, bandwidth, latency)
+        if comm <= 0.1 * (comm + n / p * WALKER_COST_S):
+            best = p
+    return best
 
 
 # ---------------------------------------------------------------- the measurement

@@ -564,8 +564,9 @@ def load_walkers(
         >>> walkers.data["r"].shape, walkers.data["r"].sharding.spec, n_valid, walkers.n_valid, meta
         ((9, 3), P('walkers',), 7, 7, {'step': 5})
         >>> more = sv.load_walkers(path, {"r": jnp.zeros((1, 3))}, n_walkers=10)
-        >>> more.n_valid, more.metadata[sv.RESIZED]["duplicated"]
-        (10, 3)
+        >>> resized = more.metadata[sv.RESIZED]
+        >>> more.n_valid, resized["duplicated"], resized["needs_burn_in"]
+        (10, 3, True)
     """
     where = "load_walkers"
     mesh = resolve_mesh(mesh, axis_name, where=where)
