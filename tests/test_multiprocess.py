@@ -425,6 +425,25 @@ def test_an_interrupted_launcher_leaves_no_process_behind(sig):
     assert all(_group_gone(pgid) for pgid in _groups("\n".join(lines))), lines
 
 
+def test_an_uncaught_exception_after_initialize_ends_the_run_promptly():
+    """The failing process skips JAX's shutdown barrier (5 minutes), so the launcher sees it and stops process 0."""
+    script = (
+        "import time\n"
+        "import shardvmc as sv\n"
+        "sv.distributed.initialize()\n"
+        "import jax\n"
+        "if jax.process_index() == 1:\n"
+        "    raise RuntimeError('process 1 fails')\n"
+        "time.sleep(600)\n"
+    )
+    started = time.monotonic()
+    code, out, err = _launch_quietly([sys.executable, "-c", script], 2, timeout=WAIT_S)
+    assert code == 1, out + err
+    assert "[1] RuntimeError: process 1 fails" in out
+    assert "process 1 exited with code 1; stopping the others" in err
+    assert time.monotonic() - started < 30, out + err  # a hang guard, not a benchmark
+
+
 def test_launcher_timeout():
     code, _, err = _launch_quietly([sys.executable, "-c", "import time; time.sleep(600)"], 2, timeout=0.5)
     assert code == launch.TIMEOUT_EXIT_CODE
