@@ -36,7 +36,6 @@ from ._mesh import n_devices as n_devices
 from ._mesh import use_mesh as use_mesh
 from ._placement import assemble_sharded as assemble_sharded
 from ._placement import gather_walkers as gather_walkers
-from ._placement import initialize_walkers_sharded as initialize_walkers_sharded
 from ._placement import pad_n_walkers as pad_n_walkers
 from ._placement import pad_walker as pad_walker
 from ._placement import replicate as replicate
@@ -46,7 +45,9 @@ from ._reductions import jtj as jtj
 from ._reductions import jtv as jtv
 from ._reductions import walker_mean as walker_mean
 from ._reductions import walker_sum as walker_sum
+from ._stats import all_walkers as all_walkers
 from ._vmap import get_vmap_fn as get_vmap_fn
+from ._vmap import initialize_walkers_sharded as initialize_walkers_sharded
 from ._vmap import shard_map_wrap as shard_map_wrap
 from ._vmap import shard_vmap as shard_vmap
 from ._vmap import sharded_batched_vmap as sharded_batched_vmap
@@ -70,6 +71,7 @@ __all__ = [
     "WalkerKey",
     "WalkerParallel",
     "WalkerSet",
+    "all_walkers",
     "assemble_sharded",
     "create_mesh",
     "distributed",

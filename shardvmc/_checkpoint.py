@@ -39,8 +39,7 @@ from . import _compat
 from ._errors import CallError, message
 from ._mesh import get_walker_sharding, resolve_mesh
 from ._placement import leading_size, pad_n_walkers, replicate
-from ._reductions import check_n_valid
-from ._walkerset import WalkerSet, split_walker_set
+from ._walkerset import WalkerSet, check_n_valid, split_walker_set
 
 __all__ = ["Checkpoint", "RESIZED", "load_walkers", "save_walkers"]
 

@@ -23,7 +23,15 @@ from typing import Any
 import jax
 from jax.sharding import Mesh
 
-__all__ = ["CHECK_VMA", "axis_size", "shard_map"]
+__all__ = [
+    "CHECK_VMA",
+    "axis_size",
+    "constrain",
+    "context_mesh",
+    "context_mesh_differs",
+    "has_explicit_axes",
+    "shard_map",
+]
 
 CHECK_VMA = False
 """Whether shardvmc's kernels type-check varying manual axes (the engine rule above)."""
@@ -49,3 +57,39 @@ def axis_size(mesh: Mesh, axis_name: str | tuple[str, ...]) -> int:
     for name in names:
         size *= int(mesh.shape[name])
     return size
+
+
+def has_explicit_axes(mesh: Mesh, axes: tuple[str, ...]) -> bool:
+    """Whether any of ``axes`` is an Explicit axis of ``mesh`` (``jax.make_mesh``'s default)."""
+    explicit = getattr(jax.sharding.AxisType, "Explicit", None)
+    types = dict(zip(mesh.axis_names, getattr(mesh, "axis_types", ())))
+    return explicit is not None and any(types.get(a) == explicit for a in axes)
+
+
+def constrain(tree: Any, sharding: jax.sharding.NamedSharding) -> Any:
+    """Give every leaf of ``tree`` this sharding inside ``jit``, on Auto and Explicit axes alike.
+
+    Explicit axes carry the sharding in the array's type and take ``jax.sharding.reshard``;
+    Auto axes take ``with_sharding_constraint``.
+    """
+    if has_explicit_axes(sharding.mesh, tuple(sharding.mesh.axis_names)):
+        return jax.tree_util.tree_map(lambda x: jax.sharding.reshard(x, sharding), tree)
+    return jax.tree_util.tree_map(lambda x: jax.lax.with_sharding_constraint(x, sharding), tree)
+
+
+try:  # the cheap getter (0.2 us; the public jax.sharding.get_mesh costs 0.8 us per call)
+    from jax._src.mesh import get_concrete_mesh as _get_concrete_mesh
+except ImportError:  # pragma: no cover
+    _get_concrete_mesh = getattr(jax.sharding, "get_mesh", lambda: None)
+
+
+def context_mesh() -> Mesh | None:
+    """JAX's current mesh (``jax.set_mesh``), or ``None`` when none is set."""
+    mesh = _get_concrete_mesh()
+    return None if mesh is None or mesh.empty else mesh
+
+
+def context_mesh_differs(mesh: Mesh) -> bool:
+    """Whether JAX's current mesh is set and is not ``mesh`` (shard_map would then refuse to run)."""
+    current = _get_concrete_mesh()
+    return current is not None and not current.empty and current != mesh

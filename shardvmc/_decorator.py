@@ -2,22 +2,24 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import operator
 import types
-import weakref
 from collections.abc import Callable
 from typing import Any, overload
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
+from . import _compat
 from ._errors import CallError, DecorationError, ShardvmcError, UnhashableStaticError, message
 from ._kernel import Options, build, explain_call_error, inside_kernel, leading_count, output_shardings
 from ._markers import Kind, Layout, missing_markers_error, parse
 from ._mesh import resolve_mesh
-from ._reductions import check_n_valid
+from ._walkerset import WalkerSet, check_n_valid
 
 __all__ = ["WalkerParallel", "replicated_args", "walker_parallel"]
 
@@ -48,20 +50,21 @@ class WalkerParallel:
         options: Options,
         replicated: frozenset[str] = frozenset(),
         nested: Callable[..., Any] | None = None,
+        qualname: str | None = None,
     ) -> None:
         self.__wrapped__ = fn
         functools.update_wrapper(self, fn)
-        self._qualname = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
+        self._qualname = qualname or f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
         self._mesh = mesh
         self._options = options
         self._replicated = replicated
-        self._nested = fn if nested is None else nested
+        self._nested = nested
         self._missing: list[str] = []
         self._cache: dict[tuple[Mesh, tuple[Any, ...], bool], Callable[..., Any]] = {}  # mesh, statics, even
         if layout is None:
+            # Unmarked parameters are reported at the first call: a replicated_args(...) stacked above may
+            # still name them (Python applies it after this decorator).
             layout, self._missing = parse(fn, self._qualname, replicated)
-            if self._missing and not _replicated_args_pending():
-                raise missing_markers_error(self._qualname, self._missing)
         self._set_layout(layout)
 
     def _set_layout(self, layout: Layout) -> None:
@@ -71,9 +74,17 @@ class WalkerParallel:
         self._dyn_idx = tuple(i for i, p in enumerate(layout.params) if p.kind is not Kind.STATIC)
         self._statics_of = _picker(self._static_idx)
         self._dyn_of = _picker(self._dyn_idx)
-        self._first_walker_idx = next(
-            (j for j, i in enumerate(self._dyn_idx) if layout.params[i].kind is Kind.PER_WALKER), None
-        )
+        self._walker_idx = tuple(j for j, i in enumerate(self._dyn_idx) if layout.params[i].kind is Kind.PER_WALKER)
+        if layout.output is Kind.REPLICATED or (isinstance(layout.output, tuple) and Kind.REPLICATED in layout.output):
+            if not self._options.batched:
+                raise DecorationError(
+                    message(
+                        self._qualname,
+                        "the return is marked Replicated, which only a batched=True function can produce.",
+                        fix="mark it Mean[...] (a per-walker function returning sv.all_walkers.mean(x) gives that "
+                        "value), or decorate with batched=True.",
+                    )
+                )
 
     @property
     def layout(self) -> Layout:
@@ -90,12 +101,11 @@ class WalkerParallel:
         bound.apply_defaults()
         return tuple(bound.arguments.values())
 
-    def _kernel(self, args: tuple[Any, ...], dyn: tuple[Any, ...]) -> Callable[..., Any]:
+    def _kernel(self, mesh: Mesh, args: tuple[Any, ...], dyn: tuple[Any, ...]) -> Callable[..., Any]:
         axis = self._options.axis_name
-        mesh = resolve_mesh(self._mesh, axis, where=self._qualname)
         statics = self._statics_of(args)
         n = self._walker_count(dyn)
-        key = (mesh, statics, n is None or n % mesh.shape[axis] == 0)
+        key = (mesh, statics, n is None or n % _compat.axis_size(mesh, axis) == 0)
         try:
             return self._cache[key]
         except KeyError:
@@ -112,7 +122,7 @@ class WalkerParallel:
 
     def _walker_count(self, dyn: tuple[Any, ...]) -> int | None:
         """Leading size of the first PerWalker leaf (``None`` if there is none: run() explains)."""
-        return None if self._first_walker_idx is None else leading_count(dyn[self._first_walker_idx])
+        return leading_count(dyn[self._walker_idx[0]]) if self._walker_idx else None
 
     def _raise_unhashable(self, statics: tuple[Any, ...]) -> None:
         for i, value in zip(self._static_idx, statics):
@@ -130,37 +140,105 @@ class WalkerParallel:
                     )
                 ) from None
 
+    def _walker_sets(self, dyn: tuple[Any, ...], n_valid: Any) -> tuple[tuple[Any, ...], Any, int | None]:
+        """Unwrap ``WalkerSet`` arguments: ``(walker data, n_valid for the kernel, count to wrap outputs)``."""
+        count: int | None = None
+        for j in self._walker_idx:
+            arg = dyn[j]
+            if not isinstance(arg, WalkerSet):
+                continue
+            if count is not None and arg.n_valid != count:
+                raise CallError(
+                    message(
+                        self._qualname,
+                        "two WalkerSet arguments carry different valid counts.",
+                        got=f"n_valid {count} and {arg.n_valid}",
+                        fix="pass walker sets of the same walkers (one count).",
+                    )
+                )
+            count = arg.n_valid
+            dyn = (*dyn[:j], arg.data, *dyn[j + 1 :])
+        if count is None:
+            return dyn, self._n_valid(n_valid, dyn), None
+        if n_valid is not None and (isinstance(n_valid, jax.core.Tracer) or int(n_valid) != count):
+            raise CallError(
+                message(
+                    self._qualname,
+                    "n_valid= disagrees with the count the WalkerSet argument carries.",
+                    got=f"n_valid={n_valid!r}, WalkerSet.n_valid={count}",
+                    fix="drop n_valid= (the WalkerSet knows its count), or pass walkers.replace(n_valid=...).",
+                )
+            )
+        n = self._walker_count(dyn)
+        return dyn, (None if count == n else np.int32(count)), count
+
     def _n_valid(self, n_valid: Any, dyn: tuple[Any, ...]) -> Any:
-        if isinstance(n_valid, jax.core.Tracer):
+        if n_valid is None or isinstance(n_valid, jax.core.Tracer):
             return n_valid
         n = self._walker_count(dyn)
-        if n is not None:
-            check_n_valid(self._qualname, n_valid, n)
-        if not isinstance(n_valid, (int, np.integer, jax.Array)) or isinstance(n_valid, bool):
-            raise CallError(message(self._qualname, "n_valid must be an integer.", got=type(n_valid).__name__))
+        check_n_valid(self._qualname, n_valid, n if n is not None else int(n_valid))
         return np.int32(n_valid)
 
-    def __call__(self, *args: Any, n_valid: Any = None, **kwargs: Any) -> Any:
-        if inside_kernel():
-            return self._nested(*args, **kwargs)
+    def _prepare(self, args: tuple[Any, ...], kwargs: dict[str, Any], n_valid: Any) -> tuple[Any, ...]:
         if kwargs or len(args) != self._n_params:
             args = self._arguments(args, kwargs)
-        dyn = self._dyn_of(args)
-        run = self._kernel(args, dyn)
-        if n_valid is not None:
-            n_valid = self._n_valid(n_valid, dyn)
-        try:
-            return run(dyn, n_valid)
-        except (TypeError, ValueError) as err:
-            self._explain(err, dyn)
-            raise
+        dyn, n_valid, count = self._walker_sets(self._dyn_of(args), n_valid)
+        mesh = resolve_mesh(self._mesh, self._options.axis_name, where=self._qualname)
+        return mesh, self._kernel(mesh, args, dyn), dyn, n_valid, count
 
-    def _explain(self, err: Exception, dyn: tuple[Any, ...]) -> None:
+    def __call__(self, *args: Any, n_valid: Any = None, **kwargs: Any) -> Any:
+        mode = inside_kernel()
+        if mode is not None:
+            return self._nested_call(mode, args, kwargs)
+        mesh, run, dyn, n_valid, count = self._prepare(args, kwargs, n_valid)
+        try:
+            if _compat.context_mesh_differs(mesh):
+                with jax.set_mesh(mesh):
+                    out = run(dyn, n_valid)
+            else:
+                out = run(dyn, n_valid)
+        except (TypeError, ValueError) as err:
+            self._explain(err, mesh, dyn)
+            raise
+        return out if count is None else self._wrap(out, count)
+
+    def _wrap(self, out: Any, count: int) -> Any:
+        """Per-walker outputs as ``WalkerSet``s carrying ``count``."""
+        output = self._layout.output
+        if isinstance(output, Kind):
+            return WalkerSet.tree_unflatten(count, (out,)) if output is Kind.PER_WALKER else out
+        return tuple(WalkerSet.tree_unflatten(count, (o,)) if k is Kind.PER_WALKER else o for o, k in zip(out, output))
+
+    def _nested_call(self, mode: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """A call from inside another kernel's body: run the function there, at the body's granularity."""
+        if self._nested is not None:
+            return self._nested(*args, **kwargs)
+        if (mode == "block") == self._options.batched:
+            return self.__wrapped__(*args, **kwargs)
+        args = self._arguments(args, kwargs)
+        walker_axis = [p.kind in (Kind.PER_WALKER, Kind.KEY) for p in self._layout.params]
+        if self._options.batched:  # a block function called for one walker: a block of one
+            block = [
+                jax.tree_util.tree_map(lambda x: jnp.expand_dims(x, 0), a) if w else a
+                for a, w in zip(args, walker_axis)
+            ]
+            return jax.tree_util.tree_map(lambda x: x[0], self.__wrapped__(*block))
+        # a per-walker function called with a block: map it over the block's walkers
+        static = [p.kind is Kind.STATIC for p in self._layout.params]
+        dyn = [a for a, s in zip(args, static) if not s]
+        in_axes = [0 if w else None for w, s in zip(walker_axis, static) if not s]
+
+        def one(*d: Any) -> Any:
+            it, st = iter(d), iter(a for a, s in zip(args, static) if s)
+            return self.__wrapped__(*(next(st) if s else next(it) for s in static))
+
+        return jax.vmap(one, in_axes=in_axes)(*dyn)
+
+    def _explain(self, err: Exception, mesh: Mesh, dyn: tuple[Any, ...]) -> None:
         """Replace JAX's refusal of the arguments by the shardvmc error that names the parameter."""
         if isinstance(err, ShardvmcError):
             return
         params = tuple(self._layout.params[i] for i in self._dyn_idx)
-        mesh = resolve_mesh(self._mesh, self._options.axis_name, where=self._qualname)
         error = explain_call_error(self._qualname, params, dyn, mesh)
         if error is not None:
             raise error from None
@@ -176,15 +254,34 @@ class WalkerParallel:
             >>> "all-reduce" in square.lower(jnp.ones(8)).compile().as_text()
             True
         """
-        args = self._arguments(args, kwargs)
-        dyn = self._dyn_of(args)
-        if n_valid is not None:
-            n_valid = self._n_valid(n_valid, dyn)
+        mesh, run, dyn, n_valid, _ = self._prepare(self._arguments(args, kwargs), {}, n_valid)
         try:
-            return self._kernel(args, dyn).lower(dyn, n_valid)
+            with jax.set_mesh(mesh) if _compat.context_mesh_differs(mesh) else contextlib.nullcontext():
+                return run.lower(dyn, n_valid)
         except (TypeError, ValueError) as err:
-            self._explain(err, dyn)
+            self._explain(err, mesh, dyn)
             raise
+
+    def explain(self, *args: Any, n_valid: Any = None, **kwargs: Any) -> Any:
+        """What the kernel will do with these arguments, as text (``str(...)``) and as data.
+
+        Resolves the mesh, every parameter leaf's marker and PartitionSpec, the padding
+        decision and valid count and the chunking, and reads the collectives and the
+        per-device argument/output/temporary bytes from the compiled program. Warns
+        (``sv.CommunicationWarning``, once per kernel) when the program holds an
+        all-gather or all-to-all that the markers did not ask for.
+
+        Example:
+            >>> import jax.numpy as jnp, shardvmc as sv
+            >>> @sv.walker_parallel
+            ... def square(r: sv.PerWalker) -> sv.Mean:
+            ...     return r**2
+            >>> square.explain(jnp.ones(8)).collectives
+            {'all-reduce': 1}
+        """
+        from ._explain import explain
+
+        return explain(self, args, kwargs, n_valid)
 
     def __get__(self, instance: Any, owner: Any = None) -> Any:
         if instance is None:
@@ -208,7 +305,7 @@ def walker_parallel(
     /,
     *,
     mesh: Mesh | None = None,
-    axis_name: str = "walkers",
+    axis_name: str | tuple[str, ...] = "walkers",
     batch_size: int | None = None,
     batched: bool = False,
     checks: bool = True,
@@ -218,7 +315,7 @@ def walker_parallel(
     /,
     *,
     mesh: Mesh | None = None,
-    axis_name: str = "walkers",
+    axis_name: str | tuple[str, ...] = "walkers",
     batch_size: int | None = None,
     batched: bool = False,
     checks: bool = True,
@@ -231,28 +328,39 @@ def walker_parallel(
     compiled in). The return is ``PerWalker`` (default; sharded over the mesh),
     ``Mean`` or ``Sum`` (over the valid walkers; replicated), or a tuple of those.
 
-    The call pads the walkers to the mesh, runs the body under ``shard_map`` with
-    replicated inputs cast to varying (so per-walker gradients with respect to them are
-    that walker's own), reduces, and un-pads, all in one jitted computation. Every
-    decorated function also takes ``n_valid=``: walkers at index ``>= n_valid`` are
-    padding and never enter ``Mean``/``Sum``.
+    The call pads the walkers to the mesh, runs the body under ``shard_map`` (per-walker
+    gradients with respect to replicated inputs are that walker's own), reduces, and
+    un-pads, all in one jitted computation. Walkers may come as a :class:`WalkerSet`,
+    whose count every ``Mean``/``Sum`` then uses and whose count the ``PerWalker``
+    outputs carry back; plain arrays take ``n_valid=`` instead: walkers at index
+    ``>= n_valid`` are padding and never enter ``Mean``/``Sum``. Inside the body,
+    :data:`all_walkers` gives statistics over all valid walkers.
+
+    Parameters without a marker are reported when the kernel is first called (a
+    ``replicated_args`` stacked above may still name them).
 
     Args:
         fn: the per-walker function (or a block function with ``batched=True``).
-        mesh: the mesh; ``None`` resolves it at each call (``use_mesh``, else all devices).
-        axis_name: the walker axis of the mesh.
+        mesh: the mesh; ``None`` resolves it at each call (``sv.use_mesh``, else JAX's
+            ``jax.set_mesh`` context, else all devices).
+        axis_name: the walker axis of the mesh, or a tuple of axes that the walkers are
+            split over together (e.g. ``("hosts", "local")``).
         batch_size: process each device's walkers this many at a time
             (``folx.batched_vmap``), bounding memory by ``batch_size``.
         batched: ``fn`` already takes a block of walkers (axis 0); ``WalkerKey`` then
-            arrives as a block of keys and ``Mean``/``Sum`` outputs are per-walker values.
+            arrives as a block of keys, ``Mean``/``Sum`` outputs are per-walker rows, and
+            a ``Replicated`` output is returned as the block function computed it (for
+            results of :data:`all_walkers`). Not combinable with ``batch_size``.
         checks: check shapes at trace time (free at run time).
 
     Returns:
         A :class:`WalkerParallel` (or a decorator, when called with options only).
 
     Raises:
-        DecorationError: a parameter without a marker, a misplaced marker, a parameter
-            named ``n_valid``, or an unresolvable annotation.
+        DecorationError: a misplaced marker, a parameter named ``n_valid``, an
+            unresolvable annotation, ``batched=True`` with ``batch_size``, or a
+            ``Replicated`` return without ``batched=True`` (a parameter without a marker:
+            at the first call).
 
     Example:
         >>> import jax, jax.numpy as jnp, shardvmc as sv
@@ -265,6 +373,27 @@ def walker_parallel(
     options = Options(axis_name=axis_name, batch_size=batch_size, batched=batched, checks=checks)
     if batch_size is not None and (not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1):
         raise ValueError(f"walker_parallel: batch_size must be a positive int or None, got {batch_size!r}.")
+    if batched and batch_size is not None:
+        raise DecorationError(
+            message(
+                "walker_parallel",
+                f"batched=True with batch_size={batch_size}: a batched function takes each device's whole block, "
+                "so there is nothing for batch_size to chunk.",
+                fix="drop batch_size (chunk inside the block function yourself, e.g. with jax.lax.map), or write "
+                "the function for one walker and keep batch_size.",
+            )
+        )
+    if not isinstance(axis_name, str) and not (
+        isinstance(axis_name, tuple) and axis_name and all(isinstance(a, str) for a in axis_name)
+    ):
+        raise DecorationError(
+            message(
+                "walker_parallel",
+                "axis_name must be a mesh axis name or a tuple of them.",
+                got=repr(axis_name),
+                fix='pass e.g. axis_name="walkers", or axis_name=("hosts", "local") to split walkers over both.',
+            )
+        )
 
     def decorate(f: Callable[..., Any]) -> WalkerParallel:
         if not callable(f):
@@ -296,24 +425,13 @@ class _ReplicatedFn:
         return self.__wrapped__(*args, **kwargs)
 
 
-# ``replicated_args(...)`` decorators created but not yet applied. When one is stacked
-# above ``walker_parallel``, Python evaluates it first and applies it last; while one is
-# pending, ``walker_parallel`` lets parameters without markers wait for it (the error,
-# if none comes, is raised at the first call instead of at decoration).
-_PENDING: weakref.WeakSet[_ReplicatedArgs] = weakref.WeakSet()
-
-
-def _replicated_args_pending() -> bool:
-    return len(_PENDING) > 0
-
-
 class _ReplicatedArgs:
+    """What ``replicated_args(...)`` returns: applies its names to any number of functions."""
+
     def __init__(self, names: frozenset[str]) -> None:
         self.names = names
-        _PENDING.add(self)
 
     def __call__(self, fn: Callable[..., Any]) -> Any:
-        _PENDING.discard(self)
         if isinstance(fn, WalkerParallel):
             return fn._with_replicated(self.names)
         if isinstance(fn, _ReplicatedFn):
@@ -322,6 +440,9 @@ class _ReplicatedArgs:
             raise TypeError(f"replicated_args: expected a function, got {type(fn).__name__}.")
         parse(fn, getattr(fn, "__qualname__", repr(fn)), self.names)  # report unknown names now
         return _ReplicatedFn(fn, self.names)
+
+    def __repr__(self) -> str:
+        return f"replicated_args({', '.join(map(repr, sorted(self.names)))})"
 
 
 def replicated_args(*names: str) -> Callable[[Any], Any]:

@@ -1,13 +1,15 @@
 """The kernel engine: from a per-walker function and its layout to one jittable computation.
 
-The computation pads the walkers to the mesh, runs the function on each device's
-walkers inside ``shard_map`` (vmapped, chunked with ``folx.batched_vmap``, or as a
-block), reduces ``Mean``/``Sum`` outputs over the valid walkers, and un-pads.
+Every kernel shardvmc builds goes through :func:`build`: the decorators, the functional
+vmaps, walker initialisation and the reductions. The computation pads the walkers to
+the mesh, runs the function on each device's walkers inside ``shard_map`` (under the
+one engine rule of ``_compat``), vmapped, chunked with ``folx.batched_vmap`` or as a
+block, derives walker ``i``'s key as ``fold_in(key, i)``, reduces ``Mean``/``Sum``
+outputs over the valid walkers with one all-reduce, and un-pads.
 """
 
 from __future__ import annotations
 
-import contextvars
 import dataclasses
 import warnings
 from collections.abc import Callable
@@ -22,28 +24,40 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from . import _compat
 from ._errors import CallError, message
 from ._markers import Kind, Layout, Param
-from ._placement import pad_n_walkers, pad_walker, walker_keys
-from ._reductions import masked_sum, mean_of
+from ._placement import pad_n_walkers, pad_walker
+from ._stats import Body, body_context, current_body, mean_of, reduce_blocks, row_sum
 
-__all__ = ["Options", "build", "explain_call_error", "inside_kernel", "leading_count", "output_shardings"]
+__all__ = [
+    "LOCAL_AXIS",
+    "Options",
+    "PaddingWarning",
+    "build",
+    "explain_call_error",
+    "inside_kernel",
+    "leading_count",
+    "output_shardings",
+    "spec",
+]
 
-_INSIDE: contextvars.ContextVar[bool] = contextvars.ContextVar("shardvmc_inside_kernel", default=False)
+LOCAL_AXIS = "_shardvmc_walker"
+"""The name of the vmap axis of a per-walker body (for in-body statistics)."""
 
 
 class PaddingWarning(UserWarning):
     """A walker count the mesh does not divide was padded inside the kernel."""
 
 
-def inside_kernel() -> bool:
-    """Whether we are tracing the body of a walker-parallel kernel."""
-    return _INSIDE.get()
+def inside_kernel() -> str | None:
+    """The mode of the kernel body being traced (``"walker"``, ``"block"``, ``"chunk"``), or ``None``."""
+    body = current_body()
+    return None if body is None else body.mode
 
 
 @dataclasses.dataclass(frozen=True)
 class Options:
     """The options of ``walker_parallel`` that shape the kernel."""
 
-    axis_name: str = "walkers"
+    axis_name: str | tuple[str, ...] = "walkers"
     batch_size: int | None = None
     batched: bool = False
     checks: bool = True
@@ -194,7 +208,7 @@ def _output_kinds(layout: Layout, out: Any, qualname: str) -> tuple[Kind, ...] |
     return layout.output
 
 
-def _spec(kind: Kind, axis_name: str) -> PartitionSpec:
+def spec(kind: Kind, axis_name: str | tuple[str, ...]) -> PartitionSpec:
     """``P(axis_name)`` for per-walker data; everything else is replicated."""
     return PartitionSpec(axis_name) if kind is Kind.PER_WALKER else PartitionSpec()
 
@@ -204,13 +218,53 @@ def _per_output(layout: Layout, of: Callable[[Kind], Any]) -> Any:
     return of(layout.output) if isinstance(layout.output, Kind) else tuple(of(k) for k in layout.output)
 
 
-def output_shardings(layout: Layout, mesh: Mesh, axis_name: str) -> Any:
-    """The shardings of the outputs: ``P(axis_name)`` per walker, replicated for ``Mean``/``Sum``.
+def output_shardings(layout: Layout, mesh: Mesh, axis_name: str | tuple[str, ...]) -> Any:
+    """The shardings of the outputs: ``P(axis_name)`` per walker, replicated otherwise.
 
     Given to ``jax.jit`` as ``out_shardings`` so that the walker sharding is kept
     literally, also on a one-device mesh (where XLA would otherwise report ``P()``).
     """
-    return _per_output(layout, lambda kind: NamedSharding(mesh, _spec(kind, axis_name)))
+    return _per_output(layout, lambda kind: NamedSharding(mesh, spec(kind, axis_name)))
+
+
+def _axes(axis_name: str | tuple[str, ...]) -> tuple[str, ...]:
+    return (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+
+
+def _walker_keys(key: jax.Array, indices: jax.Array) -> jax.Array:
+    """One key per walker: ``fold_in(key, i)`` for each global walker index ``i``.
+
+    Depending only on the global index, not on the device, makes every random stream
+    independent of the number of devices.
+    """
+    return jax.vmap(jax.random.fold_in, in_axes=(None, 0))(key, indices)
+
+
+def _map(
+    call: Callable[..., Any], in_axes: tuple[int | None, ...], options: Options, count: Any, axes: tuple[str, ...]
+):
+    """How the body runs on one device's walkers: ``mapped(valid, *dyn)``."""
+    if options.batched:
+
+        def block(valid: Any, *dyn: Any) -> Any:
+            with body_context(Body("block", axes, valid, count)):
+                return call(*dyn)
+
+        return block
+    if options.batch_size:
+
+        def chunk(*dyn: Any) -> Any:
+            with body_context(Body("chunk", axes, None, count)):
+                return call(*dyn)
+
+        chunked = folx.batched_vmap(chunk, options.batch_size, in_axes=in_axes)
+        return lambda valid, *dyn: chunked(*dyn)
+
+    def walker(valid: Any, *dyn: Any) -> Any:
+        with body_context(Body("walker", (LOCAL_AXIS, *axes), valid, count)):
+            return call(*dyn)
+
+    return jax.vmap(walker, in_axes=(0, *in_axes), axis_name=LOCAL_AXIS)
 
 
 def build(
@@ -223,16 +277,20 @@ def build(
 ) -> Callable[[tuple[Any, ...], Any], Any]:
     """The computation ``run(dynamic_args, n_valid)`` for one mesh and one set of statics.
 
-    ``dynamic_args`` are the non-static arguments in parameter order; ``n_valid`` is
-    ``None`` (all walkers valid) or an int scalar (array or tracer).
+    ``dynamic_args`` are the non-static arguments in parameter order (walker data, not
+    ``WalkerSet``s); ``n_valid`` is ``None`` (all walkers valid) or an int scalar (array
+    or tracer).
     """
     axis = options.axis_name
+    axes = _axes(axis)
     size = _compat.axis_size(mesh, axis)
+    explicit = _compat.has_explicit_axes(mesh, axes)
     dyn_params = tuple(p for p in layout.params if p.kind is not Kind.STATIC)
     kinds = tuple(p.kind for p in dyn_params)
     order = [p.kind is Kind.STATIC for p in layout.params]
     in_axes = tuple(0 if k in (Kind.PER_WALKER, Kind.KEY) else None for k in kinds)
-    out_specs = _per_output(layout, lambda kind: _spec(kind, axis))
+    in_specs = tuple(spec(k, axis) for k in kinds)
+    out_specs = _per_output(layout, lambda kind: spec(kind, axis))
 
     def call(*dyn: Any) -> Any:
         it_dyn, it_static = iter(dyn), iter(statics)
@@ -241,58 +299,38 @@ def build(
             _check_outputs(qualname, out)
         return out
 
-    if options.batched:
-        mapped = call
-    elif options.batch_size:
-        mapped = folx.batched_vmap(call, options.batch_size, in_axes=in_axes)
-    else:
-        mapped = jax.vmap(call, in_axes=in_axes)
-
     def run(dyn: tuple[Any, ...], n_valid: Any) -> Any:
         n = _check_inputs(qualname, layout, dyn, dyn_params) if options.checks else _walker_count(dyn, kinds)
         n_pad = pad_n_walkers(n, size)
         n_local = n_pad // size
         if n_pad != n:
-            code = getattr(fn, "__code__", None)
-            warnings.warn_explicit(
-                f"{qualname}: {n} walkers do not split evenly over the {size} devices of mesh axis {axis!r}; "
-                f"they were padded to {n_pad} inside the kernel, and per-walker outputs of {n} walkers cannot stay "
-                "evenly sharded. Keep a padded walker set instead: `walkers, n_valid = sv.pad_walker(walkers, "
-                f"sv.pad_n_walkers({n}, {size}))` and call with n_valid=n_valid.",
-                PaddingWarning,
-                filename=code.co_filename if code else "<shardvmc>",
-                lineno=code.co_firstlineno if code else 0,
-                module=getattr(fn, "__module__", None),
-            )
+            _warn_padding(fn, qualname, layout, n, n_pad, size, axis)
             # An uneven count cannot be sharded, so these inputs are replicated: pad them replicated and
             # shard_map slices locally (left free, XLA sharded the padding and all-gathered it back).
             replicated = NamedSharding(mesh, PartitionSpec())
             dyn = tuple(
-                jax.lax.with_sharding_constraint(pad_walker(a, n_pad)[0], replicated) if k is Kind.PER_WALKER else a
+                _compat.constrain(pad_walker(a, n_pad)[0], replicated) if k is Kind.PER_WALKER else a
                 for a, k in zip(dyn, kinds)
             )
+        elif explicit:
+            dyn = tuple(_compat.constrain(a, NamedSharding(mesh, s)) for a, s in zip(dyn, in_specs))
         masked = n_valid is not None or n_pad != n
         count = n if n_valid is None else n_valid
 
         def body(dyn: tuple[Any, ...], count: Any) -> Any:
-            first = jax.lax.axis_index(axis) * n_local
-            indices = first + jnp.arange(n_local)
-            dyn = tuple(
-                walker_keys(a, indices) if k is Kind.KEY else _compat.to_varying(a, axis) if k is Kind.REPLICATED else a
-                for a, k in zip(dyn, kinds)
-            )
-            token = _INSIDE.set(True)
-            try:
-                out = mapped(*dyn)
-            finally:
-                _INSIDE.reset(token)
-            mask = indices < count if masked else None
+            indices = jax.lax.axis_index(axes) * n_local + jnp.arange(n_local)
+            valid = indices < count
+            dyn = tuple(_walker_keys(a, indices) if k is Kind.KEY else a for a, k in zip(dyn, kinds))
+            out = _map(call, in_axes, options, count, axes)(valid, *dyn)
+            mask = valid if masked else None
             per_output = _output_kinds(layout, out, qualname)
             if per_output is None:
-                return _finish(out, layout.output, mask, count, n_local)
-            return tuple(_finish(o, k, mask, count, n_local) for o, k in zip(out, per_output))
+                return _finish(out, layout.output, mask, count)
+            return tuple(_finish(o, k, mask, count) for o, k in zip(out, per_output))
 
-        def _finish(out: Any, kind: Kind, mask: Any, count: Any, n_local: int) -> Any:
+        def _finish(out: Any, kind: Kind, mask: Any, count: Any) -> Any:
+            if kind is Kind.REPLICATED:
+                return out
             if options.checks and options.batched:
                 try:
                     chex.assert_tree_shape_prefix(out, (n_local,))
@@ -307,14 +345,10 @@ def build(
                     ) from None
             if kind is Kind.PER_WALKER:
                 return out
-            total = jax.tree_util.tree_map(lambda x: jax.lax.psum(masked_sum(x, mask), axis), out)
-            if kind is Kind.SUM:
-                return total
-            return mean_of(total, count)
+            total = reduce_blocks(row_sum, (out,), mask, axes)
+            return total if kind is Kind.SUM else mean_of(total, count)
 
-        kernel = _compat.shard_map(
-            body, mesh, in_specs=(tuple(_spec(k, axis) for k in kinds), PartitionSpec()), out_specs=out_specs
-        )
+        kernel = _compat.shard_map(body, mesh, in_specs=(in_specs, PartitionSpec()), out_specs=out_specs)
         out = kernel(dyn, jnp.asarray(count, jnp.int32))
         if n_pad == n:
             return out
@@ -323,6 +357,28 @@ def build(
         return tuple(_unpad(o, n) if k is Kind.PER_WALKER else o for o, k in zip(out, layout.output))
 
     return run
+
+
+def _warn_padding(
+    fn: Callable[..., Any], qualname: str, layout: Layout, n: int, n_pad: int, size: int, axis: Any
+) -> None:
+    code = getattr(fn, "__code__", None)
+    has_per_walker = Kind.PER_WALKER in (layout.output if isinstance(layout.output, tuple) else (layout.output,))
+    consequence = (
+        f"per-walker outputs of {n} walkers cannot stay evenly sharded"
+        if has_per_walker
+        else "the inputs were replicated to pad them"
+    )
+    warnings.warn_explicit(
+        f"{qualname}: {n} walkers do not split evenly over the {size} devices of mesh axis {axis!r}; they were "
+        f"padded to {n_pad} inside the kernel, and {consequence}. Keep a padded walker set instead: "
+        f"`walkers = sv.WalkerSet(*sv.pad_walker(walkers, sv.pad_n_walkers({n}, {size})))` "
+        "(or initialise with sv.initialize_walkers_sharded, which pads for you).",
+        PaddingWarning,
+        filename=code.co_filename if code else "<shardvmc>",
+        lineno=code.co_firstlineno if code else 0,
+        module=getattr(fn, "__module__", None),
+    )
 
 
 def _unpad(tree: Any, n: int) -> Any:

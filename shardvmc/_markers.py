@@ -45,7 +45,7 @@ class _Marker:
 
 
 PARAM_KINDS = frozenset({Kind.PER_WALKER, Kind.REPLICATED, Kind.KEY, Kind.STATIC})
-OUTPUT_KINDS = frozenset({Kind.PER_WALKER, Kind.MEAN, Kind.SUM})
+OUTPUT_KINDS = frozenset({Kind.PER_WALKER, Kind.MEAN, Kind.SUM, Kind.REPLICATED})
 
 PerWalker = Annotated[T, _Marker(Kind.PER_WALKER)]
 """Every leaf carries the walker axis first; the function body sees one walker."""
@@ -201,13 +201,34 @@ def parse(fn: Callable[..., Any], qualname: str, replicated: frozenset[str] = fr
 
 
 def _parse_output(hint: Any, qualname: str) -> Kind | tuple[Kind, ...]:
-    fix = "mark returns PerWalker[...], Mean[...] or Sum[...]; WalkerKey, Replicated and Static are for parameters."
+    """The output layout; the rule for a return without a marker is ``PerWalker``.
+
+    ``tuple[A, B]`` marks each element (an unmarked element is ``PerWalker``); a marker
+    around the whole annotation (``Mean[tuple[...]]``) applies to every leaf.
+    """
+    fix = (
+        "mark returns PerWalker[...], Mean[...] or Sum[...] (Replicated[...] for batched=True block functions); "
+        "WalkerKey and Static are for parameters."
+    )
     kind = _kind(hint, OUTPUT_KINDS, qualname, "the return annotation", fix)
     if kind is not None:
         return kind
     if typing.get_origin(hint) is tuple:
         elements = typing.get_args(hint)
-        if elements and elements[-1] is not Ellipsis:
+        if elements and elements[-1] is Ellipsis:
+            marked = _kind(elements[0], OUTPUT_KINDS, qualname, "the elements of the return annotation", fix)
+            if marked is not None and marked is not Kind.PER_WALKER:
+                raise DecorationError(
+                    message(
+                        qualname,
+                        f"the return annotation is a tuple of any length marked {marked.value}, but a marker inside "
+                        "a variadic tuple cannot say how many outputs there are.",
+                        got=f"{hint}",
+                        fix=f"mark the whole output: {marked.value}[tuple[...]] (every leaf), or list the elements: "
+                        f"tuple[{marked.value}[...], {marked.value}[...]].",
+                    )
+                )
+        elif elements:
             return tuple(
                 _kind(h, OUTPUT_KINDS, qualname, f"element {i} of the return annotation", fix) or Kind.PER_WALKER
                 for i, h in enumerate(elements)

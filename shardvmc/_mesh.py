@@ -12,6 +12,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from . import _compat
 from ._errors import CallError, message
 
 __all__ = [
@@ -54,18 +55,30 @@ def create_mesh(devices: Sequence[Any] | None = None, axis_name: str = "walkers"
 
 
 @functools.cache
-def _default_mesh(axis_name: str) -> Mesh:
+def _default_mesh(axis_name: str | tuple[str, ...]) -> Mesh:
+    if not isinstance(axis_name, str):
+        raise CallError(
+            message(
+                "shardvmc",
+                f"no mesh was given, and the default mesh has one axis, so the walker axes {axis_name!r} need a mesh.",
+                fix="build a mesh with those axes (e.g. jax.sharding.Mesh(devices.reshape(hosts, local), "
+                f"{axis_name!r})) and pass mesh= or use sv.use_mesh(mesh).",
+            )
+        )
     return create_mesh(axis_name=axis_name)
 
 
-def resolve_mesh(mesh: Mesh | None, axis_name: str = "walkers", *, where: str = "shardvmc") -> Mesh:
-    """The mesh to use: ``mesh`` if given, else the ``use_mesh`` one, else all devices.
+def resolve_mesh(mesh: Mesh | None, axis_name: str | tuple[str, ...] = "walkers", *, where: str = "shardvmc") -> Mesh:
+    """The mesh to use: ``mesh`` if given, else the ``use_mesh`` one, else JAX's current mesh, else all devices.
+
+    JAX's current mesh is the one set with ``jax.set_mesh``; it is used as it is, Explicit
+    axes included (shardvmc reshards the inputs of such a mesh itself).
 
     Raises:
         CallError: when the resolved mesh has no axis called ``axis_name``.
     """
     if mesh is None:
-        mesh = _CURRENT_MESH.get()
+        mesh = _CURRENT_MESH.get() or _compat.context_mesh()
         if mesh is None:
             return _default_mesh(axis_name)
     if not isinstance(mesh, Mesh):
@@ -77,7 +90,8 @@ def resolve_mesh(mesh: Mesh | None, axis_name: str = "walkers", *, where: str = 
                 fix="build one with sv.create_mesh(devices), e.g. sv.create_mesh(jax.devices()[:4]).",
             )
         )
-    if axis_name not in mesh.shape:
+    names = (axis_name,) if isinstance(axis_name, str) else axis_name
+    if not all(name in mesh.shape for name in names):
         raise CallError(
             message(
                 where,

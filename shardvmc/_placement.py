@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding
 
 from . import _compat
 from ._errors import CallError, message
@@ -17,14 +17,12 @@ from ._mesh import get_replicated_sharding, get_walker_sharding, resolve_mesh
 __all__ = [
     "assemble_sharded",
     "gather_walkers",
-    "initialize_walkers_sharded",
     "leading_size",
     "pad_n_walkers",
     "pad_walker",
     "replicate",
     "shard_walker",
     "slice_walkers",
-    "walker_keys",
 ]
 
 _FIX_PAD = (
@@ -294,91 +292,6 @@ def assemble_sharded(local_pytrees: Sequence[Any], mesh: Mesh | None = None, axi
         shape = (per_device * size, *np.shape(first)[1:])
         out.append(jax.make_array_from_single_device_arrays(shape, walker, shards))
     return jax.tree_util.tree_unflatten(structure, out)
-
-
-def walker_keys(key: jax.Array, indices: jax.Array) -> jax.Array:
-    """One key per walker: ``fold_in(key, i)`` for each global walker index ``i``.
-
-    Depending only on the global index, not on the device, makes every random stream
-    independent of the number of devices.
-    """
-    return jax.vmap(jax.random.fold_in, in_axes=(None, 0))(key, indices)
-
-
-def initialize_walkers_sharded(
-    init_fn: Callable[[jax.Array], Any],
-    n_walkers: int,
-    mesh: Mesh | None = None,
-    *,
-    key: jax.Array | None = None,
-    initial_walkers: Any = None,
-    axis_name: str = "walkers",
-) -> Any:
-    """Create walkers on the devices that own them, reproducibly for any device count.
-
-    Walker ``i`` is ``init_fn(jax.random.fold_in(key, i))``, computed on its own
-    device inside one ``shard_map``: the full set is never built on one device, and in
-    a multi-process run each process computes only its own devices' walkers. The same
-    key gives the same walkers on 1, 3 or 8 devices.
-
-    Args:
-        init_fn: ``init_fn(key) -> one walker`` (any pytree).
-        n_walkers: the number of walkers wanted.
-        mesh: the mesh; defaults to the ``use_mesh`` one, else all devices.
-        key: a PRNG key (raw or typed). Required unless ``initial_walkers`` is given.
-        initial_walkers: a pytree of ``n_walkers`` walkers to place instead of
-            calling ``init_fn`` (``key`` is then unused): host arrays, or jax.Arrays
-            already on devices (also the global arrays of a multi-process run).
-        axis_name: the walker axis of ``mesh``.
-
-    Returns:
-        ``pad_n_walkers(n_walkers, mesh size)`` walkers sharded ``P(axis_name)``; the
-        first ``n_walkers`` are the requested ones (pass ``n_valid=n_walkers`` to kernels).
-
-    Example:
-        >>> import jax, shardvmc as sv
-        >>> mesh = sv.create_mesh(jax.devices()[:4])
-        >>> r = sv.initialize_walkers_sharded(lambda k: jax.random.normal(k, (2, 3)), 10, mesh,
-        ...                                   key=jax.random.key(0))
-        >>> r.shape, r.sharding.spec
-        ((12, 2, 3), P('walkers',))
-    """
-    mesh = resolve_mesh(mesh, axis_name, where="initialize_walkers_sharded")
-    size = _compat.axis_size(mesh, axis_name)
-    if int(n_walkers) < 1:
-        raise CallError(message("initialize_walkers_sharded", f"n_walkers must be at least 1, got {n_walkers}."))
-    n_pad = pad_n_walkers(n_walkers, size)
-    if initial_walkers is not None:
-        # jax.Arrays stay on devices: a multi-process (global) array cannot be fetched to one host.
-        host = jax.tree_util.tree_map(lambda x: x if isinstance(x, jax.Array) else np.asarray(x), initial_walkers)
-        n = leading_size(host, "initialize_walkers_sharded", "initial_walkers")
-        if n != n_walkers:
-            raise CallError(
-                message(
-                    "initialize_walkers_sharded",
-                    "initial_walkers holds another number of walkers than n_walkers.",
-                    got=f"{n} walkers",
-                    expected=f"{n_walkers}",
-                )
-            )
-        return shard_walker(pad_walker(host, n_pad)[0], mesh, axis_name)
-    if key is None:
-        raise CallError(
-            message(
-                "initialize_walkers_sharded",
-                "no key was given (shardvmc never seeds from the clock).",
-                fix="pass key=jax.random.key(seed), or initial_walkers=.",
-            )
-        )
-    per_device = n_pad // size
-
-    def body(k: jax.Array) -> Any:
-        first = jax.lax.axis_index(axis_name) * per_device
-        return jax.vmap(init_fn)(walker_keys(k, first + jnp.arange(per_device)))
-
-    spec = PartitionSpec(axis_name)
-    kernel = _compat.shard_map(body, mesh, in_specs=PartitionSpec(), out_specs=spec)
-    return jax.jit(kernel, out_shardings=get_walker_sharding(mesh, axis_name))(key)
 
 
 def gather_walkers(tree: Any) -> Any:

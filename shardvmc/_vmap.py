@@ -1,4 +1,4 @@
-"""The functional kernels: vmap-like wrappers over the same engine as ``walker_parallel``."""
+"""The functional kernels over the same engine as ``walker_parallel``: vmaps and walker initialisation."""
 
 from __future__ import annotations
 
@@ -9,24 +9,31 @@ from typing import Any
 
 import folx
 import jax
+import numpy as np
 from jax.sharding import Mesh
 
 from . import _compat
 from ._decorator import WalkerParallel
+from ._errors import CallError, message
 from ._kernel import Options
 from ._markers import Kind, Layout, Param
+from ._mesh import resolve_mesh
+from ._placement import leading_size, pad_n_walkers, pad_walker, shard_walker
+from ._walkerset import WalkerSet
 
-__all__ = ["get_vmap_fn", "shard_map_wrap", "shard_vmap", "sharded_batched_vmap"]
+__all__ = ["get_vmap_fn", "initialize_walkers_sharded", "shard_map_wrap", "shard_vmap", "sharded_batched_vmap"]
 
 AxisSpec = int | None | Sequence[int | None]
 
 
 def shard_map_wrap(fn: Callable[..., Any], mesh: Mesh, in_specs: Any, out_specs: Any) -> Callable[..., Any]:
-    """``shard_map`` with replication checking (``check_vma``) on, on any supported JAX.
+    """``shard_map`` under the engine rule of every shardvmc kernel, on any supported JAX.
 
-    ``check_vma`` is never switched off: ``folx`` runs under it. Replicated inputs whose
-    gradients are taken per walker inside ``fn`` must be cast to varying first (the
-    decorators and :func:`shard_vmap` do this for you).
+    The rule: varying-manual-axes checking (``check_vma``) is off, so folx's forward
+    Laplacian and jvp-of-grad Laplacians run on real networks, and a gradient taken
+    inside ``fn`` with respect to a replicated input is each walker's own. ``fn`` places
+    its collectives itself (``jax.lax.psum`` for a replicated output); see
+    ``docs/concepts.md``.
 
     Example:
         >>> import jax, jax.numpy as jnp, shardvmc as sv
@@ -54,6 +61,10 @@ def _kinds(in_axes: AxisSpec, n_args: int, where: str) -> tuple[Kind, ...]:
     return tuple(kinds)
 
 
+def _signature(names: Sequence[str]) -> inspect.Signature:
+    return inspect.Signature([inspect.Parameter(n, inspect.Parameter.POSITIONAL_ONLY) for n in names])
+
+
 def _sharded(
     fn: Callable[..., Any], mesh: Mesh | None, in_axes: AxisSpec, out_axes: Any, batch_size: int | None, where: str
 ) -> Callable[..., Any]:
@@ -70,8 +81,7 @@ def _sharded(
         except KeyError:
             kinds = _kinds(in_axes, len(args), where)
             names = [f"arg{i}" for i in range(len(args))]
-            signature = inspect.Signature([inspect.Parameter(n, inspect.Parameter.POSITIONAL_ONLY) for n in names])
-            layout = Layout(tuple(Param(n, k) for n, k in zip(names, kinds)), Kind.PER_WALKER, signature)
+            layout = Layout(tuple(Param(n, k) for n, k in zip(names, kinds)), Kind.PER_WALKER, _signature(names))
             kernel = by_arity[len(args)] = WalkerParallel(fn, layout, mesh=mesh, options=options, nested=local)
         return kernel(*args)
 
@@ -147,3 +157,86 @@ def get_vmap_fn(max_vmap_batch_size: int = 0, mesh: Mesh | None = None) -> Calla
     if sharded:
         return functools.partial(shard_vmap, mesh=mesh)
     return jax.vmap
+
+
+def initialize_walkers_sharded(
+    init_fn: Callable[[jax.Array], Any],
+    n_walkers: int,
+    mesh: Mesh | None = None,
+    *,
+    key: jax.Array | None = None,
+    initial_walkers: Any = None,
+    axis_name: str = "walkers",
+) -> WalkerSet:
+    """Create walkers on the devices that own them, reproducibly for any device count.
+
+    Walker ``i`` is ``init_fn(jax.random.fold_in(key, i))``, computed on its own
+    device inside one ``shard_map``: the full set is never built on one device, and in
+    a multi-process run each process computes only its own devices' walkers. The same
+    key gives the same walkers on 1, 3 or 8 devices.
+
+    Args:
+        init_fn: ``init_fn(key) -> one walker`` (any pytree).
+        n_walkers: the number of walkers wanted.
+        mesh: the mesh; defaults to the ``use_mesh`` one, else all devices.
+        key: a PRNG key (raw or typed). Required unless ``initial_walkers`` is given.
+        initial_walkers: a pytree of ``n_walkers`` walkers to place instead of
+            calling ``init_fn`` (``key`` is then unused): host arrays, or jax.Arrays
+            already on devices (also the global arrays of a multi-process run).
+        axis_name: the walker axis of ``mesh``.
+
+    Returns:
+        A :class:`WalkerSet` of ``pad_n_walkers(n_walkers, mesh size)`` walkers sharded
+        ``P(axis_name)`` with ``n_valid=n_walkers``: the first ``n_walkers`` are the
+        requested ones, and every kernel and reduction that takes the set leaves the
+        padding out of its statistics.
+
+    Example:
+        >>> import jax, shardvmc as sv
+        >>> mesh = sv.create_mesh(jax.devices()[:4])
+        >>> r = sv.initialize_walkers_sharded(lambda k: jax.random.normal(k, (2, 3)), 10, mesh,
+        ...                                   key=jax.random.key(0))
+        >>> r.n_valid, r.data.shape, r.data.sharding.spec
+        (10, (12, 2, 3), P('walkers',))
+    """
+    mesh = resolve_mesh(mesh, axis_name, where="initialize_walkers_sharded")
+    size = _compat.axis_size(mesh, axis_name)
+    if int(n_walkers) < 1:
+        raise CallError(message("initialize_walkers_sharded", f"n_walkers must be at least 1, got {n_walkers}."))
+    n_pad = pad_n_walkers(n_walkers, size)
+    if initial_walkers is not None:
+        # jax.Arrays stay on devices: a multi-process (global) array cannot be fetched to one host.
+        host = jax.tree_util.tree_map(lambda x: x if isinstance(x, jax.Array) else np.asarray(x), initial_walkers)
+        n = leading_size(host, "initialize_walkers_sharded", "initial_walkers")
+        if n != n_walkers:
+            raise CallError(
+                message(
+                    "initialize_walkers_sharded",
+                    "initial_walkers holds another number of walkers than n_walkers.",
+                    got=f"{n} walkers",
+                    expected=f"{n_walkers}",
+                )
+            )
+        return WalkerSet(shard_walker(pad_walker(host, n_pad)[0], mesh, axis_name), int(n_walkers))
+    if key is None:
+        raise CallError(
+            message(
+                "initialize_walkers_sharded",
+                "no key was given (shardvmc never seeds from the clock).",
+                fix="pass key=jax.random.key(seed), or initial_walkers=.",
+            )
+        )
+    # The engine derives walker i's key as fold_in(key, i); the zero-width slots only carry the walker count.
+    slots = WalkerSet(np.zeros((n_pad, 0), np.int8), int(n_walkers))
+    return _init_kernel(init_fn, mesh, axis_name)(key, slots)
+
+
+@functools.cache
+def _init_kernel(init_fn: Callable[[jax.Array], Any], mesh: Mesh, axis_name: Any) -> WalkerParallel:
+    layout = Layout(
+        (Param("key", Kind.KEY), Param("slot", Kind.PER_WALKER)), Kind.PER_WALKER, _signature(("key", "slot"))
+    )
+    qualname = f"initialize_walkers_sharded({getattr(init_fn, '__qualname__', repr(init_fn))})"
+    return WalkerParallel(
+        lambda key, slot: init_fn(key), layout, mesh=mesh, options=Options(axis_name=axis_name), qualname=qualname
+    )

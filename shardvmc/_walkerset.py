@@ -5,11 +5,12 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from ._errors import CallError, message
 
-__all__ = ["WalkerSet", "split_walker_set"]
+__all__ = ["WalkerSet", "check_n_valid", "split_walker_set"]
 
 
 @jax.tree_util.register_pytree_node_class
@@ -146,3 +147,37 @@ def split_walker_set(x: Any) -> tuple[Any, int | None]:
     if isinstance(x, WalkerSet):
         return x.data, x.n_valid
     return x, None
+
+
+def check_n_valid(where: str, n_valid: Any, n_walkers: int) -> None:
+    """Raise ``CallError`` unless ``n_valid`` is ``None``, traced, or an integer in ``1..n_walkers``.
+
+    Accepts Python and NumPy integers and integer scalar arrays (NumPy or JAX), the same
+    everywhere a count is taken.
+    """
+    if n_walkers < 1:
+        raise CallError(
+            message(where, "there are no walkers (the walker axis has size 0).", fix="pass at least one walker.")
+        )
+    if n_valid is None or isinstance(n_valid, jax.core.Tracer):
+        return
+    dtype = getattr(n_valid, "dtype", None)
+    integral = isinstance(n_valid, int) if dtype is None else jnp.issubdtype(dtype, jnp.integer)
+    if isinstance(n_valid, bool) or not integral or np.shape(n_valid) != ():
+        raise CallError(
+            message(
+                where,
+                "n_valid must be one integer, the number of real walkers.",
+                got=f"{type(n_valid).__name__} {dtype or ''}{list(np.shape(n_valid))}",
+                fix="pass a Python int or an integer scalar array, or pass a sv.WalkerSet that carries its count.",
+            )
+        )
+    value = int(n_valid)
+    if not 1 <= value <= n_walkers:
+        raise CallError(
+            message(
+                where,
+                f"n_valid={value} is outside 1..{n_walkers}, the number of walkers passed.",
+                fix="pass the count returned by sv.pad_walker (the real walkers come first), or omit n_valid.",
+            )
+        )

@@ -1,0 +1,172 @@
+"""Statistics over the valid walkers of all devices, from inside a kernel's body.
+
+The engine publishes, while it traces a body, where the body runs: the axes that hold
+the walkers (the named ``vmap`` axis of a per-walker body, and the mesh axes), which
+walkers are valid, and the valid count. :data:`all_walkers` reads it; the engine's own
+``Mean``/``Sum`` outputs and the reductions (``walker_mean``, ``jtj``, ...) use the same
+two functions, :func:`masked` and :func:`reduce_blocks`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+from collections.abc import Callable, Iterator
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+
+from ._errors import CallError, message
+
+__all__ = ["Body", "all_walkers", "body_context", "current_body", "masked", "mean_of", "reduce_blocks", "row_sum"]
+
+Mode = Literal["walker", "block", "chunk"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Body:
+    """Where a kernel body runs, as the engine tells it to the statistics.
+
+    Attributes:
+        mode: ``"walker"`` (vmapped: the body sees one walker), ``"block"``
+            (``batched=True``: the body sees this device's block of walkers) or
+            ``"chunk"`` (``batch_size=``: chunks that cannot see each other).
+        axes: the axes to sum over: the named vmap axis (walker mode) and the mesh axes.
+        valid: whether this walker is valid (walker mode, a scalar) or which rows of the
+            block are (block mode, a vector).
+        count: the number of valid walkers of all devices.
+    """
+
+    mode: Mode
+    axes: tuple[str, ...]
+    valid: Any
+    count: Any
+
+
+_BODY: contextvars.ContextVar[Body | None] = contextvars.ContextVar("shardvmc_body", default=None)
+
+
+def current_body() -> Body | None:
+    """The body being traced, or ``None`` outside every kernel."""
+    return _BODY.get()
+
+
+@contextlib.contextmanager
+def body_context(body: Body) -> Iterator[None]:
+    """Publish ``body`` while a kernel body is traced."""
+    token = _BODY.set(body)
+    try:
+        yield
+    finally:
+        _BODY.reset(token)
+
+
+def masked(x: jax.Array, mask: jax.Array | None) -> jax.Array:
+    """Zero the rows of ``x`` where ``mask`` is false (``None``: keep all).
+
+    ``where`` rather than a product, so a NaN or inf in a padding walker cannot leak in.
+    """
+    if mask is None:
+        return x
+    return jnp.where(mask.reshape(mask.shape + (1,) * (x.ndim - mask.ndim)), x, jnp.zeros((), x.dtype))
+
+
+def reduce_blocks(local: Callable[..., Any], blocks: tuple[Any, ...], mask: Any, axes: tuple[str, ...]) -> Any:
+    """``psum`` over ``axes`` of ``local(*blocks)`` with the invalid rows of every block zeroed.
+
+    Every walker statistic of shardvmc is this: one local product of this device's valid
+    rows and one all-reduce.
+    """
+    rows = tuple(jax.tree_util.tree_map(lambda x: masked(x, mask), b) for b in blocks)
+    return jax.tree_util.tree_map(lambda y: jax.lax.psum(y, axes), local(*rows))
+
+
+def mean_of(total: Any, count: Any) -> Any:
+    """``total / count`` leaf by leaf; integer and boolean sums become the default float."""
+
+    def divide(t: jax.Array) -> jax.Array:
+        dtype = t.dtype if jnp.issubdtype(t.dtype, jnp.inexact) else jnp.result_type(float)
+        return t.astype(dtype) / count
+
+    return jax.tree_util.tree_map(divide, total)
+
+
+def row_sum(tree: Any) -> Any:
+    """Sum over the leading (walker) axis, leaf by leaf."""
+    return jax.tree_util.tree_map(lambda x: jnp.sum(x, axis=0), tree)
+
+
+def _identity(tree: Any) -> Any:
+    return tree
+
+
+def _body(what: str) -> Body:
+    body = _BODY.get()
+    if body is None:
+        raise CallError(
+            message(
+                f"all_walkers.{what}",
+                "called outside a walker-parallel kernel, where there are no walkers to reduce over.",
+                fix="call it inside a function decorated with @sv.walker_parallel; outside kernels use "
+                "sv.walker_mean(x) / sv.walker_sum(x) on a sharded walker array or WalkerSet.",
+            )
+        )
+    if body.mode == "chunk":
+        raise CallError(
+            message(
+                f"all_walkers.{what}",
+                "called in a kernel with batch_size=, whose chunks of walkers are processed one after another "
+                "and cannot see each other's values.",
+                fix="compute the statistic in a kernel without batch_size (e.g. a first kernel returning the "
+                "per-walker values, then sv.walker_mean), or drop batch_size for this kernel.",
+            )
+        )
+    return body
+
+
+class _AllWalkers:
+    """Statistics over all valid walkers of all devices, callable inside a kernel's body.
+
+    Inside a per-walker function, ``x`` is this walker's value; inside a
+    ``batched=True`` function, a block with the walker axis first. Padding walkers never
+    enter. The result is the same for every walker and device. Differentiable: an outer
+    gradient through it is the gradient of the global statistic; a per-walker gradient
+    taken inside the body follows JAX's collective semantics (the gradient of the sum of
+    all walkers' outputs), so wrap the statistic in ``jax.lax.stop_gradient`` when it
+    should act as a constant, as energy clipping does.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, shardvmc as sv
+        >>> @sv.walker_parallel
+        ... def clip(e: sv.PerWalker[jax.Array]) -> sv.PerWalker[jax.Array]:
+        ...     mean = sv.all_walkers.mean(e)
+        ...     mad = sv.all_walkers.mean(jnp.abs(e - mean))
+        ...     return jnp.clip(e, mean - 5 * mad, mean + 5 * mad)
+        >>> e = jnp.array([1.0] * 15 + [100.0])  # one outlier among 16 walkers
+        >>> round(float(clip(e)[-1]), 3)
+        65.195
+    """
+
+    def sum(self, x: Any) -> Any:
+        """Sum of ``x`` over the valid walkers of all devices (a pytree, leaf by leaf)."""
+        body = _body("sum")
+        if body.mode == "walker":
+            return reduce_blocks(_identity, (x,), body.valid, body.axes)
+        return reduce_blocks(row_sum, (x,), body.valid, body.axes)
+
+    def mean(self, x: Any) -> Any:
+        """Mean of ``x`` over the valid walkers of all devices (a pytree, leaf by leaf)."""
+        return mean_of(self.sum(x), _body("mean").count)
+
+    def count(self) -> jax.Array:
+        """The number of valid walkers of all devices (an int32 scalar)."""
+        return _body("count").count
+
+    def __repr__(self) -> str:
+        return "shardvmc.all_walkers"
+
+
+all_walkers = _AllWalkers()
+"""Walker statistics inside a kernel body: ``all_walkers.mean(x)``, ``.sum(x)``, ``.count()``."""

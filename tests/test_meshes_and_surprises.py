@@ -1,0 +1,171 @@
+"""Mesh resolution (JAX's own mesh context, Explicit axes, several walker axes) and no silent surprises."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+import shardvmc as sv
+from shardvmc import Mean, PerWalker, Replicated, WalkerKey
+
+
+def energy(alpha: Replicated[jax.Array], r: PerWalker[jax.Array]) -> tuple[PerWalker[jax.Array], Mean[jax.Array]]:
+    e = alpha * jnp.sum(r**2)
+    return e, e
+
+
+R = jnp.arange(48.0).reshape(16, 3) / 10
+
+
+def check(out, mesh):
+    e, m = out
+    ref = 0.5 * np.sum(np.asarray(R) ** 2, axis=1)
+    np.testing.assert_allclose(np.asarray(e), ref, rtol=1e-6)
+    np.testing.assert_allclose(float(m), ref.mean(), rtol=1e-6)
+    assert dict(e.sharding.mesh.shape) == dict(mesh.shape)
+
+
+@pytest.mark.parametrize("explicit", [False, True], ids=["auto", "explicit"])
+def test_jax_set_mesh_is_the_default_mesh(explicit):
+    devices = jax.devices()[:4]
+    mesh = jax.make_mesh((4,), ("walkers",), devices=devices) if explicit else sv.create_mesh(devices)
+    kernel = sv.walker_parallel(energy)
+    with jax.set_mesh(mesh):
+        out = kernel(jnp.float32(0.5), np.asarray(R))  # host input
+        walkers = sv.initialize_walkers_sharded(lambda k: jax.random.normal(k, (3,)), 10, key=jax.random.key(0))
+    check(out, mesh)
+    assert len(out[0].sharding.device_set) == 4
+    assert walkers.data.sharding.mesh.shape["walkers"] == 4
+
+
+def test_explicit_mesh_passed_directly():
+    mesh = jax.make_mesh((8,), ("walkers",))
+    out = sv.walker_parallel(energy, mesh=mesh)(jnp.float32(0.5), np.asarray(R))
+    check(out, mesh)
+    assert out[0].sharding.spec == P("walkers")
+
+
+def test_a_mesh_option_inside_another_jax_mesh_context():
+    mine = sv.create_mesh(jax.devices()[:2])
+    with jax.set_mesh(jax.make_mesh((8,), ("walkers",))):
+        out = sv.walker_parallel(energy, mesh=mine)(jnp.float32(0.5), R)
+        with sv.use_mesh(sv.create_mesh(jax.devices()[:4])):
+            out4 = sv.walker_parallel(energy)(jnp.float32(0.5), R)
+    assert len(out[0].sharding.device_set) == 2 and len(out4[0].sharding.device_set) == 4
+    check(out, mine)
+
+
+def test_walkers_split_over_two_mesh_axes():
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("hosts", "local"))
+    kernel = sv.walker_parallel(energy, mesh=mesh, axis_name=("hosts", "local"))
+    out = kernel(jnp.float32(0.5), R)
+    check(out, mesh)
+    assert out[0].sharding.spec == P(("hosts", "local"))
+
+    @sv.walker_parallel(mesh=mesh, axis_name=("hosts", "local"))
+    def draw(key: WalkerKey, r: PerWalker[jax.Array]) -> PerWalker[jax.Array]:
+        return jax.random.normal(key, r.shape)
+
+    flat = sv.walker_parallel(draw.__wrapped__, mesh=sv.create_mesh())(jax.random.key(0), R)
+    np.testing.assert_array_equal(np.asarray(draw(jax.random.key(0), R)), np.asarray(flat))
+
+
+def test_a_jax_mesh_without_the_walker_axis_is_a_call_error():
+    with jax.set_mesh(jax.make_mesh((8,), ("data",))):
+        with pytest.raises(sv.CallError, match=r"(?s)no axis named 'walkers'.*axis_name="):
+            sv.walker_parallel(energy)(jnp.float32(0.5), R)
+
+
+# ---- no silent surprises ---------------------------------------------------------------------
+
+
+def test_batched_with_batch_size_is_refused():
+    with pytest.raises(sv.DecorationError, match=r"(?s)batched=True with batch_size=4.*drop batch_size"):
+        sv.walker_parallel(batched=True, batch_size=4)
+
+
+def test_variadic_tuple_of_means_is_refused():
+    def f(r: PerWalker[jax.Array]) -> tuple[sv.Mean[jax.Array], ...]:
+        return (r, r)
+
+    with pytest.raises(sv.DecorationError, match=r"(?s)variadic tuple.*Mean\[tuple\[\.\.\.\]\]"):
+        sv.walker_parallel(f)
+
+
+def test_replicated_return_needs_batched():
+    def f(r: PerWalker[jax.Array]) -> Replicated[jax.Array]:
+        return r
+
+    with pytest.raises(sv.DecorationError, match="only a batched=True function"):
+        sv.walker_parallel(f)
+
+
+def test_nested_calls_meet_the_body_at_its_granularity():
+    @sv.walker_parallel(batched=True)
+    def block_norm(r: PerWalker[jax.Array]) -> PerWalker[jax.Array]:
+        assert r.ndim == 2  # always a block, also when called for one walker
+        return jnp.sum(r**2, axis=1)
+
+    @sv.walker_parallel
+    def walker_norm(r: PerWalker[jax.Array]) -> PerWalker[jax.Array]:
+        assert r.ndim == 1
+        return jnp.sum(r**2)
+
+    @sv.walker_parallel
+    def per_walker(r: PerWalker[jax.Array]) -> PerWalker[jax.Array]:
+        return block_norm(r) + walker_norm(r)
+
+    @sv.walker_parallel(batched=True)
+    def per_block(r: PerWalker[jax.Array]) -> PerWalker[jax.Array]:
+        return block_norm(r) + walker_norm(r)
+
+    ref = 2 * np.sum(np.asarray(R) ** 2, axis=1)
+    np.testing.assert_allclose(per_walker(R), ref, rtol=1e-6)
+    np.testing.assert_allclose(per_block(R), ref, rtol=1e-6)
+
+
+def test_replicated_args_object_applies_to_several_functions_without_global_state():
+    shared = sv.replicated_args("alpha")
+
+    def f(alpha, r):
+        return alpha * jnp.sum(r)
+
+    def g(alpha, r):
+        return alpha * jnp.sum(r**2)
+
+    kf, kg = sv.walker_parallel(shared(f)), sv.walker_parallel(shared(g))
+    np.testing.assert_allclose(kf(2.0, R), 2 * np.asarray(R).sum(1), rtol=1e-6)
+    np.testing.assert_allclose(kg(2.0, R), 2 * (np.asarray(R) ** 2).sum(1), rtol=1e-6)
+
+    @shared  # stacked above: applied after walker_parallel
+    @sv.walker_parallel
+    def h(alpha, r):
+        return alpha * r
+
+    assert h(2.0, R).shape == R.shape
+
+    @sv.walker_parallel
+    def unmarked(alpha, r):
+        return alpha * r
+
+    with pytest.raises(sv.DecorationError, match="no shardvmc marker"):
+        unmarked(2.0, R)
+
+
+def test_complex_jtj_and_jtv_conjugate(mesh):
+    rng = np.random.default_rng(0)
+    j = rng.normal(size=(13, 4)) + 1j * rng.normal(size=(13, 4))
+    v = rng.normal(size=13) + 1j * rng.normal(size=13)
+    with jax.enable_x64(True), sv.use_mesh(mesh):
+        n_pad = sv.pad_n_walkers(13, mesh.devices.size)
+        jp = sv.WalkerSet(jnp.asarray(np.concatenate([j, np.full((n_pad - 13, 4), 1e3 + 1e3j)])), 13)
+        vp = jnp.asarray(np.concatenate([v, np.zeros(n_pad - 13)]))
+        s = sv.jtj(jp)
+        g = sv.jtv(jp, vp)
+        m = sv.walker_mean(jp)
+    np.testing.assert_allclose(s, j.conj().T @ j, rtol=1e-12)
+    np.testing.assert_allclose(g, j.conj().T @ v, rtol=1e-12)
+    np.testing.assert_allclose(m, j.mean(0), rtol=1e-12)
+    np.testing.assert_allclose(s, np.asarray(s).conj().T)  # Hermitian
