@@ -73,7 +73,8 @@ def save(directory: str) -> None:
     except sv.CallError as err:
         result["different"] = str(err)
 
-    r = sv.initialize_walkers_sharded(lambda k: jax.random.normal(k, (2, 3)), N_VALID, mesh, key=jax.random.key(2))
+    init = sv.initialize_walkers_sharded(lambda k: jax.random.normal(k, (2, 3)), N_VALID, mesh, key=jax.random.key(2))
+    r = init.data  # 12 walkers (10 valid), 3 on each device
     # (sv.shard_walker cannot place a process-local key array across processes: place its data.)
     keys = jax.random.wrap_key_data(sv.shard_walker(jax.random.key_data(jax.random.split(jax.random.key(3), 12)), mesh))
     spin = np.arange(12, dtype=np.int32) % 2  # host data that every process holds

@@ -108,18 +108,19 @@ def test_resumed_chain_continues_the_uninterrupted_one(tmp_path: Path) -> None:
     mesh8, mesh3 = sv.create_mesh(jax.devices()[:8]), sv.create_mesh(jax.devices()[:3])
     step8, step3 = make_step(mesh8), make_step(mesh3)
     key = jax.random.key(3)
-    r = sv.initialize_walkers_sharded(lambda k: jax.random.normal(k, (3,)), 13, mesh8, key=key)
+    r = sv.initialize_walkers_sharded(lambda k: jax.random.normal(k, (3,)), 13, mesh8, key=key)  # a WalkerSet
     uninterrupted = r
     for t in range(10):
         uninterrupted = step8(jax.random.fold_in(key, t), uninterrupted)
     for t in range(5):
         r = step8(jax.random.fold_in(key, t), r)
-    sv.save_walkers(tmp_path / "chain.npz", {"r": r}, n_valid=13, metadata={"t": 5})
-    restored, n_valid, meta = sv.load_walkers(tmp_path / "chain.npz", {"r": r}, mesh3)
-    r = restored.data["r"]
+    sv.save_walkers(tmp_path / "chain.npz", r, metadata={"t": 5})  # the count comes from the WalkerSet
+    r, n_valid, meta = sv.load_walkers(tmp_path / "chain.npz", r, mesh3)
+    assert isinstance(r, sv.WalkerSet) and n_valid == r.n_valid == 13
     for t in range(meta["t"], 10):
         r = step3(jax.random.fold_in(key, t), r)
-    np.testing.assert_allclose(np.asarray(r)[:n_valid], np.asarray(uninterrupted)[:13], rtol=1e-6, atol=1e-6)
+    assert r.n_valid == 13
+    np.testing.assert_allclose(np.asarray(r.data)[:13], np.asarray(uninterrupted.data)[:13], rtol=1e-6, atol=1e-6)
 
 
 def test_like_may_be_shape_dtype_structs_and_n_valid_defaults_to_all(tmp_path: Path) -> None:
