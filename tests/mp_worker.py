@@ -66,12 +66,18 @@ def several(
     return scale * grad, grad, jnp.sum(r, axis=0)
 
 
+def _data(tree: Any) -> Any:
+    """``tree`` with every ``WalkerSet`` replaced by its walkers (results are compared as plain data)."""
+    is_set = lambda x: isinstance(x, sv.WalkerSet)  # noqa: E731
+    return jax.tree_util.tree_map(lambda x: x.data if is_set(x) else x, tree, is_leaf=is_set)
+
+
 def _specs(tree: Any) -> Any:
-    return jax.tree_util.tree_map(lambda x: str(x.sharding.spec), tree)
+    return jax.tree_util.tree_map(lambda x: str(x.sharding.spec), _data(tree))
 
 
 def _host(tree: Any) -> Any:
-    return jax.tree_util.tree_map(lambda x: np.asarray(x).tolist(), sv.gather_walkers(tree))
+    return jax.tree_util.tree_map(lambda x: np.asarray(x).tolist(), sv.gather_walkers(_data(tree)))
 
 
 def checks(mesh: Any) -> dict[str, Any]:
@@ -153,7 +159,7 @@ def checks(mesh: Any) -> dict[str, Any]:
 def local_facts(mesh: Any) -> dict[str, Any]:
     """What only this process sees: its shards and devices."""
     x = sv.shard_walker(host_walkers(), mesh)
-    w = sv.initialize_walkers_sharded(init_walker, N_UNEVEN, mesh, key=jax.random.key(42))
+    w = sv.initialize_walkers_sharded(init_walker, N_UNEVEN, mesh, key=jax.random.key(42)).data
     return {
         "process_index": jax.process_index(),
         "process_count": jax.process_count(),
