@@ -117,19 +117,22 @@ def _stop(procs: Sequence[subprocess.Popen[bytes]], grace: float) -> None:
     """SIGTERM every running process group, then SIGKILL every group after ``grace`` seconds.
 
     Every group is killed at the end, even when its leader has exited: a child the
-    leader started lives on in the group otherwise.
+    leader started lives on in the group otherwise. An interruption during the grace
+    period (Ctrl-C) cuts it short: the SIGKILL is sent anyway.
     """
-    running = [p for p in procs if p.poll() is None]
-    for p in running:
-        _signal_group(p, signal.SIGTERM)
-    deadline = time.monotonic() + grace
-    for p in running:
-        try:
-            p.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            pass
-    for p in procs:
-        _signal_group(p, signal.SIGKILL)
+    try:
+        running = [p for p in procs if p.poll() is None]
+        for p in running:
+            _signal_group(p, signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for p in running:
+            try:
+                p.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+    finally:
+        for p in procs:
+            _signal_group(p, signal.SIGKILL)
     for p in procs:
         try:
             p.wait(timeout=max(grace, 1.0))
@@ -239,10 +242,8 @@ def launch(
                 code = TIMEOUT_EXIT_CODE
                 break
             time.sleep(0.05)
-    except BaseException:
+    finally:  # also when interrupted (KeyboardInterrupt, or the launcher's own SIGTERM)
         _stop(procs, grace)
-        raise
-    _stop(procs, grace)
     for thread in threads:
         thread.join(timeout=max(grace, 1.0))
     return code

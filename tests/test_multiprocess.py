@@ -391,38 +391,35 @@ def test_launcher_exit_code_and_prefixes_without_jax():
     assert all(_group_gone(pgid) for pgid in groups), out
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
-def test_an_interrupted_launcher_leaves_no_process_behind(sig):
-    command = [
-        sys.executable,
-        "-m",
-        "shardvmc.launch",
-        "-n",
-        "2",
-        "--grace",
-        "0.5",
-        "--",
-        sys.executable,
-        "-c",
-        STUBBORN,
-    ]
+@pytest.mark.parametrize(
+    ("sig", "when"),
+    [(signal.SIGINT, "running"), (signal.SIGTERM, "running"), (signal.SIGINT, "stopping")],
+    ids=["SIGINT", "SIGTERM", "SIGINT-during-grace"],
+)
+def test_an_interrupted_launcher_leaves_no_process_behind(sig, when):
+    """Interrupted while the processes run, or during the grace period after a failure (then a long one)."""
+    grace, fail = ("0.5", []) if when == "running" else ("120", ["fail"])
+    command = [sys.executable, "-m", "shardvmc.launch", "-n", "2", "--grace", grace, "--"]
+    command += [sys.executable, "-c", STUBBORN, *fail]
     proc = subprocess.Popen(
         command, cwd=ROOT, env=_clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
     try:
-        assert proc.stdout is not None
+        assert proc.stdout is not None and proc.stderr is not None
         lines: list[str] = []
-        while len(_groups("\n".join(lines))) < 2:  # both processes and their children are running
+        while len(_groups("".join(lines))) < 2:  # both processes and their children are running
             line = proc.stdout.readline()
             assert line, f"the launcher ended early: {proc.wait()}"
             lines.append(line)
+        if when == "stopping":  # process 1 failed: the launcher is waiting out the grace period
+            assert "process 1 exited with code 5; stopping the others" in proc.stderr.readline()
         proc.send_signal(sig)
         out, err = proc.communicate(timeout=30)
     finally:
         proc.kill()
     assert proc.returncode == 128 + sig, err
     assert f"got {sig.name}; stopped every process" in err
-    assert all(_group_gone(pgid) for pgid in _groups("\n".join(lines))), lines
+    assert all(_group_gone(pgid) for pgid in _groups("".join(lines))), lines
 
 
 def test_an_uncaught_exception_after_initialize_ends_the_run_promptly():
