@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import shutil
 import zipfile
@@ -47,6 +48,7 @@ _FORMAT = "shardvmc-walkers"
 _VERSION = 1  # one file holding every leaf
 _MANIFEST_VERSION = 2  # a manifest naming one part file per saving process
 _HEADER = "__shardvmc__"
+_DATA_SUFFIX = r"\.d-[0-9a-f]{16}"  # <manifest name>.d-<token>: the data directory of a manifest
 RESIZED = "shardvmc.resized"
 """Metadata key :func:`load_walkers` adds when it restored another number of walkers than saved."""
 
@@ -255,7 +257,7 @@ def _save_parts(target: Path, header: dict[str, Any], leaves: list[tuple[Any, An
 
     me, n_processes = jax.process_index(), jax.process_count()
     token = np.asarray(multihost_utils.broadcast_one_to_all(np.frombuffer(secrets.token_bytes(8), np.int32)))
-    directory = target.with_name(f"{target.name}.d-{token.astype('<i4').tobytes().hex()}")
+    directory = target.with_name(f"{target.name}.d-{token.astype('<i4').tobytes().hex()}")  # matches _DATA_SUFFIX
     part, scalars = {}, {}
     for i, (entry, (leaf, dtype, key)) in enumerate(zip(header["leaves"], leaves)):
         if not entry["shape"]:
@@ -319,11 +321,13 @@ def _part_name(process: int) -> str:
 def _data_dir(target: Path) -> Path | None:
     """The data directory the checkpoint at ``target`` names, if it is a manifest."""
     try:
-        header = _read_header(target)[0]
+        header, archive = _read_header(target)
     except (OSError, CallError):
         return None
+    archive.close()
     name = header.get("data")
-    return target.with_name(name) if isinstance(name, str) and name.startswith(f"{target.name}.d-") else None
+    ours = isinstance(name, str) and re.fullmatch(re.escape(target.name) + _DATA_SUFFIX, name)
+    return target.with_name(name) if ours else None  # never anything but a directory this function wrote
 
 
 def _remove(directory: Path | None) -> None:
@@ -410,6 +414,7 @@ def _read_header(path: Path) -> tuple[dict[str, Any], Any]:
             and (
                 version == _VERSION
                 or isinstance(header.get("data"), str)
+                and re.fullmatch(r"[^/\\]+" + _DATA_SUFFIX, header["data"]) is not None  # a sibling, nothing else
                 and all("blocks" in e for e in entries if e["shape"])
             )
         ):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -527,3 +528,42 @@ def test_restore_onto_four_processes_of_one_device(
         assert sorted(rows) == [2 * p, 2 * p + 1]
         for row, value in rows.items():
             np.testing.assert_array_equal(value, saved["r"][row if row < 6 else 0])
+
+
+def _without_part_1(directory: Path) -> None:
+    next(directory.glob("walkers.npz.d-*/part-00001.npz")).unlink()
+
+
+def _truncate_part_0(directory: Path) -> None:
+    part = next(directory.glob("walkers.npz.d-*/part-00000.npz"))
+    part.write_bytes(part.read_bytes()[:300])
+
+
+def _manifest_pointing_elsewhere(directory: Path) -> None:
+    path = directory / "walkers.npz"
+    with np.load(path, allow_pickle=False) as data:
+        arrays = {name: data[name] for name in data.files}
+    header = json.loads(bytes(arrays["__shardvmc__"]).decode())
+    header["data"] = "../elsewhere.d-0123456789abcdef"
+    arrays["__shardvmc__"] = np.frombuffer(json.dumps(header).encode(), np.uint8)
+    np.savez(path, **arrays)
+
+
+@pytest.mark.parametrize(
+    ("damage", "excerpt"),
+    [
+        (_without_part_1, r"names the part file '.*part-00001\.npz', which is missing"),
+        (_truncate_part_0, r"part-00000\.npz' is truncated or corrupted"),
+        (_manifest_pointing_elsewhere, "has a malformed header"),
+    ],
+    ids=["missing-part", "truncated-part", "data-outside"],
+)
+def test_damaged_multi_process_checkpoints(
+    saved_by_two_processes: tuple[Path, list[dict], str], tmp_path: Path, damage: Any, excerpt: str
+) -> None:
+    directory, _, _ = saved_by_two_processes
+    copy = tmp_path / "copy"
+    shutil.copytree(directory, copy)
+    damage(copy)
+    with pytest.raises(sv.CallError, match=excerpt):
+        sv.load_walkers(copy / "walkers.npz", mp_worker.like(), sv.create_mesh(jax.devices()[:2]))
