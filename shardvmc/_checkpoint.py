@@ -13,7 +13,8 @@ Two layouts, one reader:
   then process 0 writes a small manifest at ``path`` (format version 2: the header,
   the scalar leaves, and which rows of which leaf each part holds). The manifest is the
   commit marker: it replaces the previous one atomically, only once every part is on
-  disk, and the previous data directory is removed after that.
+  disk; then the other data directories of ``path`` (the replaced one, and any left by
+  a save killed before its commit) are removed.
 
 A restore reads the header, and each process reads only the part files that hold the
 rows its own devices get (``jax.make_array_from_callback``).
@@ -149,7 +150,8 @@ def save_walkers(
 
     Files are written under a temporary name, flushed to disk, and renamed into place,
     so a writer killed at any moment leaves the previous checkpoint intact (at worst a
-    stray ``.<name>.*.tmp`` file or ``<name>.d-*`` directory stays behind).
+    stray ``.<name>.*.tmp`` file or ``<name>.d-*`` directory stays behind, until the
+    next successful save removes every data directory of ``path`` but its own).
 
     In a multi-process run, call it on every process (a collective): each process
     writes the walkers it holds to its own file in a new directory
@@ -239,9 +241,8 @@ def save_walkers(
             host = np.asarray(jax.device_get(leaf))
             arrays[f"leaf_{i}"] = _stored(host[:count] if entry["shape"] else host, dtype, key)
         arrays[_HEADER] = _encode(header)
-        previous = _data_dir(target)
         _write_atomic(target, arrays)
-        _remove(previous)
+        _remove_stale(target)
     else:
         _save_parts(target, header, leaves, count)
     return target
@@ -288,10 +289,8 @@ def _save_parts(target: Path, header: dict[str, Any], leaves: list[tuple[Any, An
                 fix="see the error of those processes; the previous checkpoint is unchanged.",
             )
         )
-    previous = None
     if me == 0:
         try:
-            previous = _data_dir(target)
             manifest = {**header, "version": _MANIFEST_VERSION, "data": directory.name, "processes": n_processes}
             _write_atomic(target, {**scalars, _HEADER: _encode(manifest)})
         except Exception as err:
@@ -304,8 +303,8 @@ def _save_parts(target: Path, header: dict[str, Any], leaves: list[tuple[Any, An
         raise CallError(
             message("save_walkers", f"process 0 failed to write {str(target)!r}.", fix="see the error of process 0.")
         )
-    if me == 0 and previous != directory:
-        _remove(previous)
+    if me == 0:
+        _remove_stale(target, keep=directory)
 
 
 def _local_scalar(leaf: Any) -> np.ndarray:
@@ -318,16 +317,13 @@ def _part_name(process: int) -> str:
     return f"part-{process:05d}.npz"
 
 
-def _data_dir(target: Path) -> Path | None:
-    """The data directory the checkpoint at ``target`` names, if it is a manifest."""
-    try:
-        header, archive = _read_header(target)
-    except (OSError, CallError):
-        return None
-    archive.close()
-    name = header.get("data")
-    ours = isinstance(name, str) and re.fullmatch(re.escape(target.name) + _DATA_SUFFIX, name)
-    return target.with_name(name) if ours else None  # never anything but a directory this function wrote
+def _remove_stale(target: Path, keep: Path | None = None) -> None:
+    """Remove the data directories of ``target`` other than ``keep``: the one a new commit
+    replaced, and any left by a save that was killed before its commit."""
+    pattern = re.compile(re.escape(target.name) + _DATA_SUFFIX)
+    for entry in target.absolute().parent.iterdir():
+        if pattern.fullmatch(entry.name) and entry.name != getattr(keep, "name", None) and entry.is_dir():
+            _remove(entry)
 
 
 def _remove(directory: Path | None) -> None:

@@ -567,3 +567,18 @@ def test_damaged_multi_process_checkpoints(
     damage(copy)
     with pytest.raises(sv.CallError, match=excerpt):
         sv.load_walkers(copy / "walkers.npz", mp_worker.like(), sv.create_mesh(jax.devices()[:2]))
+
+
+def test_a_save_removes_the_data_directories_it_replaced(
+    saved_by_two_processes: tuple[Path, list[dict], str], tmp_path: Path
+) -> None:
+    """Saving over a multi-process checkpoint removes its data directory and one left by a killed save."""
+    directory, _, _ = saved_by_two_processes
+    copy = tmp_path / "copy"
+    shutil.copytree(directory, copy)
+    (copy / "walkers.npz.d-notours").mkdir()  # not a name save_walkers writes: kept
+    assert len(list(copy.glob("walkers.npz.d-*"))) == 3  # committed, uncommitted (killed), not ours
+    ck = sv.load_walkers(copy / "walkers.npz", mp_worker.like(), sv.create_mesh(jax.devices()[:2]))
+    sv.save_walkers(copy / "walkers.npz", ck.walkers, metadata={"version": 3})
+    assert [p.name for p in copy.glob("walkers.npz.d-*")] == ["walkers.npz.d-notours"]
+    assert sv.load_walkers(copy / "walkers.npz", mp_worker.like()).metadata == {"version": 3}
