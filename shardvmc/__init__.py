@@ -21,6 +21,7 @@ from ._errors import CallError as CallError
 from ._errors import DecorationError as DecorationError
 from ._errors import ShardvmcError as ShardvmcError
 from ._errors import UnhashableStaticError as UnhashableStaticError
+from ._explain import CommunicationWarning as CommunicationWarning
 from ._kernel import PaddingWarning as PaddingWarning
 from ._markers import Mean as Mean
 from ._markers import PerWalker as PerWalker
@@ -58,6 +59,7 @@ __version__ = "0.1.0"
 __all__ = [
     "CallError",
     "Checkpoint",
+    "CommunicationWarning",
     "DecorationError",
     "Mean",
     "PaddingWarning",

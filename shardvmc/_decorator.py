@@ -112,8 +112,10 @@ class WalkerParallel:
             pass
         except TypeError:
             self._raise_unhashable(statics)
-        # Only an evenly divisible walker count can keep its sharding on the way out.
-        shardings = output_shardings(self._layout, mesh, axis) if key[2] else None
+        # shard_map's out_specs give per-walker outputs P(axis) on a mesh of several devices. On one device XLA
+        # reports P() instead, so the spec is pinned with out_shardings there only: on more devices, pinned
+        # shardings become the required shardings of the cotangents when a caller differentiates eagerly.
+        shardings = output_shardings(self._layout, mesh, axis) if key[2] and mesh.size == 1 else None
         run = jax.jit(
             build(self.__wrapped__, self._layout, statics, mesh, self._options, self._qualname), out_shardings=shardings
         )
