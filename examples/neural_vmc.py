@@ -335,9 +335,7 @@ def make_steps(config: Config, mesh: Mesh) -> tuple[Callable[..., Any], Callable
         # variance of J.u over the walkers), is at most max_norm; lr decays as lr / (1 + t / decay).
         ju = jax.tree.map(lambda x: x @ update, j)
         u_s_u = sv.walker_mean(jax.tree.map(lambda x: x**2, ju)) - sv.walker_mean(ju) ** 2
-        lr = jnp.minimum(
-            config.lr / (1.0 + t / config.lr_decay), jnp.sqrt(config.max_norm / jnp.maximum(u_s_u, 1e-30))
-        )
+        lr = jnp.minimum(config.lr / (1.0 + t / config.lr_decay), jnp.sqrt(config.max_norm / jnp.maximum(u_s_u, 1e-30)))
         flat, unravel = ravel_pytree(state.params)
         params = unravel(flat - lr * update)
         walkers = kernels.refresh(params, walkers, system)
@@ -396,7 +394,9 @@ def load_checkpoint(path: str, config: Config, mesh: Mesh, like: State) -> tuple
     walkers, _, meta = sv.load_walkers(path, walker_like, mesh)
     saved = Config(**meta["config"])
     differing = {
-        k for k in dataclasses.asdict(config) if getattr(config, k) != getattr(saved, k) and k not in ("steps", "eval_steps", "batch_size")
+        k
+        for k in dataclasses.asdict(config)
+        if getattr(config, k) != getattr(saved, k) and k not in ("steps", "eval_steps", "batch_size")
     }
     if differing:
         raise SystemExit(f"{path} was written with other settings: {sorted(differing)}; pass the same options")
@@ -458,7 +458,9 @@ def _duration(seconds: float) -> str:
     if seconds != seconds:
         return "--:--"
     seconds = int(seconds)
-    return f"{seconds // 60:02d}:{seconds % 60:02d}" if seconds < 3600 else f"{seconds // 3600}h{seconds // 60 % 60:02d}"
+    return (
+        f"{seconds // 60:02d}:{seconds % 60:02d}" if seconds < 3600 else f"{seconds // 3600}h{seconds // 60 % 60:02d}"
+    )
 
 
 def plot(path: str, summary: dict[str, Any], printer: Callable[[str], Any] = print) -> bool:
