@@ -10,6 +10,17 @@ Usage (from the repository root)::
     python benchmarks/gpu.py                         # on a GPU machine: O2, 4096,16384,65536 walkers
     python benchmarks/gpu.py --walkers 8192 --batch-size 1024 --reps 41
     python benchmarks/gpu.py --cpu-devices 8         # no accelerator: a tiny CPU run (He, 64 walkers)
+    python benchmarks/gpu.py --neural                # also the real workload (examples/neural_vmc.py)
+    python benchmarks/gpu.py --neural-only --walkers 4096,16384,65536 --json neural.json
+
+``--neural`` (the default on accelerators) adds the real workload, section 10: one
+optimisation step of ``examples/neural_vmc.py`` (10 Metropolis moves of every walker,
+the folx local energy, the per-walker Jacobian, energy clipping, ``sv.natural_gradient``
+with ``--neural-optimiser``, the parameter update) for Li with the example's default
+network (2 layers, 32 hidden units, 4 determinants, 4753 parameters), in float64 unless
+``--neural-float32``: walkers per second (walkers x steps / s, after compilation), the
+evaluation step's rate (moves and energies only), and the compiled step's memory per
+device (arguments + outputs + temporaries, XLA's ``memory_analysis``).
 """
 
 import argparse
@@ -30,6 +41,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--reps", type=int, help="timed repetitions per figure (default 21 on accelerators, 5 on CPU)")
     parser.add_argument("--cpu-devices", type=int, default=0, help="no accelerator: run on this many fake CPU devices")
     parser.add_argument("--json", default="", help="also write the rows and machine to this JSON file")
+    parser.add_argument("--neural", action="store_true", default=None, help="add the neural workload (section 10)")
+    parser.add_argument("--no-neural", dest="neural", action="store_false", help="leave the neural workload out")
+    parser.add_argument("--neural-only", action="store_true", help="only the neural workload")
+    parser.add_argument(
+        "--neural-optimiser", default="auto", help="natural_gradient method of the neural step (default auto)"
+    )
+    parser.add_argument("--neural-float32", action="store_true", help="the neural workload in float32")
     return parser.parse_args(argv)
 
 
@@ -64,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         print("NOTE: no accelerator present; this CPU run only checks that the script works.")
     report = Report()
     params = sv.replicate(chosen.init_params(), mesh)
-    for n in sizes:
+    for n in [] if args.neural_only else sizes:
         n = sv.pad_n_walkers(n, n_dev)
         r = sv.shard_walker(chosen.init_walkers(n), mesh)
         for output in ("walker", "mean"):
@@ -89,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
                     memory = temp_bytes(dec.lower(params, r).compile()) / 2**20
                     report.row(8, f"{what}: walkers per second (decorated)", f"{rate:,.0f}")
                     report.row(8, f"{what}: temporary memory per device", f"{memory:,.2f} MiB")
+    if args.neural_only or (accelerator if args.neural is None else args.neural):
+        neural_rows(report, mesh, sizes if accelerator or args.walkers else [64], reps, args)
     info["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
     print()
     print(report.table())
@@ -96,6 +116,61 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.json, "w") as f:
             json.dump({"machine": info, "rows": report.rows, "when": time.time()}, f, indent=2, default=str)
     return 0
+
+
+def neural_rows(report: Any, mesh: Any, sizes: list[int], reps: int, args: argparse.Namespace) -> None:
+    """Section 10: the neural workload's optimisation and evaluation steps, timed, and their memory."""
+    import dataclasses
+    import importlib.util
+
+    import jax
+    import jax.numpy as jnp
+    from jax.flatten_util import ravel_pytree
+
+    import shardvmc as sv
+
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples", "neural_vmc.py")
+    spec = importlib.util.spec_from_file_location("neural_vmc", path)
+    neural = importlib.util.module_from_spec(spec)
+    sys.modules["neural_vmc"] = neural
+    spec.loader.exec_module(neural)
+    x64 = not args.neural_float32
+    dtype = jnp.float64 if x64 else jnp.float32
+    for n in sizes:
+        config = dataclasses.replace(neural.Config(), walkers=n, optimiser=args.neural_optimiser, x64=x64)
+        system = neural.SYSTEMS[config.system]
+        with jax.enable_x64(x64), sv.use_mesh(mesh):
+            params = sv.replicate(neural.init_params(config, dtype), mesh)
+            n_params = int(ravel_pytree(params)[0].size)
+            state = neural.State(
+                params, sv.replicate(jnp.zeros((n_params,), dtype), mesh), sv.replicate(jnp.asarray(0.3, dtype), mesh)
+            )
+
+            def init_walker(key: Any, system: Any = system) -> dict:
+                return {"r": neural.systems.init_walkers(key, system, 1, dtype)[0], "log_psi": jnp.zeros((), dtype)}
+
+            walkers = sv.initialize_walkers_sharded(init_walker, n, key=jax.random.key(0))
+            walkers = neural.make_kernels(mesh, None).refresh(params, walkers, system)
+            train, evaluate = neural.make_steps(config, mesh)
+            t = jnp.asarray(0, dtype)
+            for name, step, extra in (("optimisation", train, (t,)), ("evaluation", evaluate, ())):
+                compiled = step.lower(state, walkers, jax.random.key(1), *extra).compile()
+                mem = compiled.memory_analysis()
+                per_device = (mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes) / 2**20
+                out = step(state, walkers, jax.random.key(1), *extra)  # warm-up (and the step's first call)
+                jax.block_until_ready(out)
+                times = []
+                for rep in range(reps):
+                    start = time.perf_counter()
+                    out = step(state, walkers, jax.random.key(rep + 2), *extra)
+                    jax.block_until_ready(out)
+                    times.append(time.perf_counter() - start)
+                median = sorted(times)[len(times) // 2]
+                what = f"neural {config.system} ({n_params} params, {dtype.__name__}), {n} walkers, {name} step"
+                report.row(10, f"{what}: walkers per second", f"{n / median:,.0f} ({median * 1e3:.1f} ms/step)")
+                report.row(10, f"{what}: memory per device (compiled)", f"{per_device:,.1f} MiB")
+            stats = jax.device_get(out[2])
+            report.facts.setdefault("neural", []).append({"walkers": n, "energy": float(stats[0])})
 
 
 if __name__ == "__main__":

@@ -104,7 +104,7 @@ class Config:
     layers: int = 2
     determinants: int = 4
     sweeps: int = 10
-    burn_in: int = 100
+    burn_in: int = 100  # Metropolis moves before the first step (in steps of `sweeps`)
     step_size: float = 0.3
     optimiser: str = "minsr"
     damping: float = 1e-3
@@ -136,19 +136,23 @@ def _log_psi(params: Any, r: jax.Array, system: systems.System) -> jax.Array:
     return ferminet.log_psi(params, r, system)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1))
 def init_params(config: Config, dtype: Any) -> Any:
-    """The network's parameters for ``config`` (a dict of arrays), from ``fold_in(seed, 10**6)``.
+    """The network's parameters for ``config`` (a dict of arrays), from ``fold_in(key(seed), 10**6)``."""
+    sizes = (config.hidden, config.hidden_two, config.layers, config.determinants)
+    return _init_params(config.system, config.seed, sizes, jnp.dtype(dtype))
 
-    Jitted: one compilation instead of one per small eager operation.
-    """
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
+def _init_params(system: str, seed: int, sizes: tuple[int, int, int, int], dtype: Any) -> Any:
+    """Jitted (one compilation, not one per small eager operation) on the settings it depends on."""
+    hidden_one, hidden_two, layers, determinants = sizes
     return ferminet.init(
-        jax.random.fold_in(jax.random.key(config.seed), 10**6),
-        SYSTEMS[config.system],
-        hidden_one=config.hidden,
-        hidden_two=config.hidden_two,
-        layers=config.layers,
-        determinants=config.determinants,
+        jax.random.fold_in(jax.random.key(seed), 10**6),
+        SYSTEMS[system],
+        hidden_one=hidden_one,
+        hidden_two=hidden_two,
+        layers=layers,
+        determinants=determinants,
         dtype=dtype,
     )
 
@@ -537,7 +541,6 @@ def run(
     total = config.steps + config.eval_steps
     print_every = max(total // 20, 1) if print_every is None else print_every
     root = jax.random.key(config.seed)
-    kernels = make_kernels(mesh, config.batch_size)
 
     with jax.enable_x64(config.x64), sv.use_mesh(mesh):
         dtype = jnp.float64 if config.x64 else jnp.float32
@@ -550,24 +553,24 @@ def run(
         )
         history: list = []
         start = 0
+        train, evaluate = make_steps(config, mesh)
         if resume and checkpoint and Path(checkpoint).exists():
             state, walkers, start, history = load_checkpoint(checkpoint, config, mesh, state)
             printer(f"resumed from {checkpoint} at step {start}")
         else:
+            log_psi = make_log_psi(system)
 
             def init_walker(key: jax.Array) -> dict:
                 r = systems.init_walkers(key, system, 1, dtype)[0]
-                return {"r": r, "log_psi": jnp.zeros((), dtype)}
+                return {"r": r, "log_psi": log_psi(params, r)}
 
             walkers = sv.initialize_walkers_sharded(init_walker, config.walkers, key=jax.random.fold_in(root, 0))
-            walkers = kernels.refresh(state.params, walkers, system)
-            # Burn-in: the walkers equilibrate in the initial wavefunction (no update).
-            walkers, _ = kernels.metropolis(
-                state.params, walkers, jax.random.fold_in(root, 2**31), state.step_size, system, config.burn_in
-            )
+            # Burn-in: the walkers equilibrate in the initial wavefunction, and the step size adapts, by
+            # evaluation steps (moves and energies, no update; the same compiled step as later).
+            for i in range(-(-config.burn_in // config.sweeps)):
+                state, walkers, _ = evaluate(state, walkers, jax.random.fold_in(root, 2**31 + i))
         sv.distributed.check_consistent(state.params)  # every process holds the same parameters
 
-        train, evaluate = make_steps(config, mesh)
         end = total if stop_after is None else min(total, stop_after)
         progress = Progress(total, start, config.walkers, printer, print_every, bar)
         compile_seconds = None

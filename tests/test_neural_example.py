@@ -97,7 +97,7 @@ def test_checkpoint_holds_walkers_parameters_optimiser_state_and_step(runs, quic
         _, unravel = ravel_pytree(neural.init_params(quick, jnp.float64))
         params = unravel(jnp.asarray(meta["params"]))
         r = np.asarray(walkers.data["r"])[:n_valid]
-        log_psi = jax.vmap(lambda x: neural.ferminet.log_psi(params, x, neural.SYSTEMS["Li"]))(r)
+        log_psi = jax.jit(jax.vmap(lambda x: neural.ferminet.log_psi(params, x, neural.SYSTEMS["Li"])))(r)
         np.testing.assert_allclose(log_psi, np.asarray(walkers.data["log_psi"])[:n_valid], rtol=1e-12)
         # The final checkpoint of a full run is written at its last step.
         final = sv.load_walkers(runs["full_checkpoint"], LIKE)
@@ -105,8 +105,8 @@ def test_checkpoint_holds_walkers_parameters_optimiser_state_and_step(runs, quic
 
 
 def test_resume_refuses_a_checkpoint_of_other_settings(runs, quick, neural):
-    other = dataclasses.replace(quick, hidden=quick.hidden + 1)
-    with pytest.raises(SystemExit, match="other settings.*hidden"):
+    other = dataclasses.replace(quick, clip=quick.clip + 1)  # the same network: no compilation
+    with pytest.raises(SystemExit, match="other settings.*clip"):
         neural.run(other, mesh=sv.create_mesh(jax.devices()[:8]), checkpoint=str(runs["full_checkpoint"]), resume=True)
 
 
@@ -153,26 +153,37 @@ def test_example_doctests(neural):
     assert result.attempted > 0 and result.failed == 0
 
 
-def test_command_line_json_and_plot(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the example sets the flags itself
-    env["JAX_PLATFORMS"] = "cpu"
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).strip(os.pathsep)
+def test_command_line_json_and_plot(neural, quick, tmp_path, capsys):
+    # In-process, with the settings of the `runs` fixture: its compiled steps are reused.
     path = tmp_path / "li.json"
-    args = ["--quick", "--devices", "2", "--json", str(path), "--plot", str(tmp_path / "li.png"), "--no-bar"]
-    proc = subprocess.run(
-        [sys.executable, str(EXAMPLE), *args], env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path
-    )
-    assert proc.returncode == 0, proc.stderr
-    lines = proc.stdout.strip().splitlines()
+    args = ["--quick", "--walkers", "61", "--optimiser", "spring", "--devices", "8", "--no-bar"]
+    summary = neural.main([*args, "--json", str(path), "--plot", str(tmp_path / "li.png"), "--print-every", "1"])
+    lines = capsys.readouterr().out.strip().splitlines()
     progress = [line for line in lines if re.match(r"(opt |eval) step +\d+/10 +E = ", line)]
-    assert progress and all(k in progress[-1] for k in ("var = ", "acc = ", "walkers/s = ", "ETA"))
-    assert any(re.fullmatch(r"E = -\d\.\d{5} \+- \d\.\d{5} Ha \(exact -7\.47806\)", line) for line in lines)
-    summary = json.loads(path.read_text())
-    assert summary["devices"] == 2 and summary["system"] == "Li" and summary["config"]["optimiser"] == "cg"
-    assert len(summary["energies"]) == 10 and summary["correlation_fraction"] is not None
+    assert len(progress) == 10 and all(k in progress[-1] for k in ("var = ", "acc = ", "walkers/s = ", "ETA"))
+    e_line = r"E = -\d\.\d{5} \+- \d\.\d{5} Ha \(exact -7\.47806\)"
+    assert any(re.fullmatch(e_line, line) for line in lines[-2:]), lines[-2:]
+    saved = json.loads(path.read_text())
+    assert saved["devices"] == 8 and saved["system"] == "Li" and saved["config"] == dataclasses.asdict(quick)
+    assert saved["energies"] == summary["energies"] and len(saved["energies"]) == 10
+    assert saved["correlation_fraction"] == pytest.approx((-7.43273 - saved["energy"]) / (-7.43273 + 7.47806))
     try:
         import matplotlib  # noqa: F401
 
         assert (tmp_path / "li.png").stat().st_size > 0
     except ImportError:
-        assert "--plot needs matplotlib" in proc.stdout
+        assert lines[-1].startswith("--plot needs matplotlib") and not (tmp_path / "li.png").exists()
+
+
+def test_script_starts_with_the_flags_set(tmp_path):
+    # A subprocess without XLA_FLAGS: the module sets the scheduler flag itself, before JAX starts.
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).strip(os.pathsep)
+    code = (
+        f"import os, runpy; module = runpy.run_path({str(EXAMPLE)!r}); "
+        "print(os.environ['XLA_FLAGS']); module['parse_args'](['--help'])"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[0].split() == [FLAG]
+    assert "--checkpoint-every" in proc.stdout and "--optimiser" in proc.stdout
