@@ -558,13 +558,13 @@ def run(
             state, walkers, start, history = load_checkpoint(checkpoint, config, mesh, state)
             printer(f"resumed from {checkpoint} at step {start}")
         else:
-            log_psi = make_log_psi(system)
 
             def init_walker(key: jax.Array) -> dict:
                 r = systems.init_walkers(key, system, 1, dtype)[0]
-                return {"r": r, "log_psi": log_psi(params, r)}
+                return {"r": r, "log_psi": jnp.zeros((), dtype)}
 
             walkers = sv.initialize_walkers_sharded(init_walker, config.walkers, key=jax.random.fold_in(root, 0))
+            walkers = make_kernels(mesh, config.batch_size).refresh(state.params, walkers, system)
             # Burn-in: the walkers equilibrate in the initial wavefunction, and the step size adapts, by
             # evaluation steps (moves and energies, no update; the same compiled step as later).
             for i in range(-(-config.burn_in // config.sweeps)):
