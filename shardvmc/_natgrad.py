@@ -322,7 +322,7 @@ def estimate_bytes(method: str, n: int, p: int, d: int, itemsize: int, *, rows: 
         return shard * 2 + 3 * p * p * itemsize
     if method in ("minsr", "spring"):
         block = _block_size(p, chunks, d)
-        return shard + 2 * (n // d) * rows * block * itemsize + 3 * m * m * itemsize + 4 * p * itemsize
+        return 2 * shard + 2 * (n // d) * rows * block * itemsize + 3 * m * m * itemsize + 4 * p * itemsize
     if method == "cg":
         return shard * 2 + 8 * p * itemsize
     raise ValueError(method)
