@@ -181,6 +181,11 @@ def main(argv: list[str] | None = None) -> int:
         for name in ("minsr", "cg"):
             diff = np.abs(np.asarray(fns[name](j, e), np.float64) - base).max() / np.abs(base).max()
             facts[f"max rel diff {name} vs replicated, N={n_time}, P={p}"] = float(diff)
+        cg_info = sv.natural_gradient(j, e, damping=damping, method="cg", memory_budget=huge, mesh=mesh, maxiter=100)[1]
+        facts[f"cg iterations, relative residual, N={n_time}, P={p}"] = (
+            int(cg_info.iterations),
+            float(cg_info.residual),
+        )
         times = harness.interleaved({k: (lambda f=f: f(j, e)) for k, f in fns.items()}, args.reps)
         for name in ("minsr", "cg"):
             report.row(
@@ -194,8 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     print("Ratios: median over repetitions of time(first) / time(second), [25%, 75%] quartiles.")
     print(report.table())
     for key, value in facts.items():
-        if key.startswith("max rel diff"):
-            print(f"{key}: {value:.2e}")
+        if key.startswith(("max rel diff", "cg iterations")):
+            print(f"{key}: {value}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"machine": info, "config": vars(args), "rows": report.rows, "facts": facts}, f, default=str)
