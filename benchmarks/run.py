@@ -22,6 +22,8 @@ import sys
 import time
 from typing import Any
 
+from shardvmc.testing import set_cpu_devices  # imports jax; starts no backend
+
 QUICK = {
     "system": "he",
     "walkers": 64,
@@ -34,13 +36,6 @@ QUICK = {
     "loop_steps": 20,
     "energy_every": 5,
 }
-
-
-def set_cpu_devices(n: int) -> None:
-    """Ask XLA for ``n`` fake CPU devices unless a device count is already set; call before JAX starts."""
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_force_host_platform_device_count" not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
