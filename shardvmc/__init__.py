@@ -10,6 +10,7 @@ Example:
 """
 
 from . import distributed as distributed
+from ._checkpoint import RESIZED as RESIZED
 from ._checkpoint import Checkpoint as Checkpoint
 from ._checkpoint import load_walkers as load_walkers
 from ._checkpoint import save_walkers as save_walkers
@@ -63,6 +64,7 @@ __all__ = [
     "Mean",
     "PaddingWarning",
     "PerWalker",
+    "RESIZED",
     "Replicated",
     "ShardvmcError",
     "Static",

@@ -20,7 +20,7 @@ PUBLIC = {
     "ShardvmcError", "DecorationError", "CallError", "UnhashableStaticError", "PaddingWarning",
     "CommunicationWarning",
     # checkpoints and multi-process
-    "save_walkers", "load_walkers", "Checkpoint", "distributed",
+    "save_walkers", "load_walkers", "Checkpoint", "RESIZED", "distributed",
 }  # fmt: skip
 
 

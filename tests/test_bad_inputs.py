@@ -28,6 +28,16 @@ DOCS = pathlib.Path(__file__).resolve().parents[1] / "docs" / "reliability.md"
 # ---------------------------------------------------------------- functions used by the catalogue
 
 
+def _load_saved(like: Any, **kwargs: Any) -> Any:
+    """Load a checkpoint of the 8 walkers R8 (saved in a fresh temporary directory)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as directory:
+        path = pathlib.Path(directory) / "walkers.npz"
+        sv.save_walkers(path, R8)
+        return sv.load_walkers(path, like, **kwargs)
+
+
 @sv.walker_parallel
 def energy(alpha: Replicated[jax.Array], r: PerWalker[jax.Array]) -> Mean[jax.Array]:
     return alpha * jnp.sum(r**2)
@@ -261,6 +271,16 @@ CATALOGUE = [
     Bad("save_walkers: metadata JSON cannot hold",
         lambda: sv.save_walkers("/nonexistent/x.npz", {"r": R8}, metadata={"e": jnp.float32(1.0)}), sv.CallError,
         ("save_walkers", "metadata", "JSON", "float(energy)")),
+    Bad("save_walkers: n_valid other than the WalkerSet's",
+        lambda: sv.save_walkers("/nonexistent/x.npz", sv.WalkerSet(R8, n_valid=6), n_valid=7), sv.CallError,
+        ("save_walkers", "n_valid=7", "tree.n_valid=6", "omit n_valid")),
+    Bad("load_walkers: WalkerSet like of another count", lambda: _load_saved(sv.WalkerSet(R8, n_valid=7)), sv.CallError,
+        ("load_walkers", "holds 8 walkers", "expects 7", "n_walkers=7")),
+    Bad("load_walkers: n_walkers that is not a positive int", lambda: _load_saved(R8, n_walkers=0), sv.CallError,
+        ("load_walkers", "n_walkers must be a positive int", "got:", "0", "n_walkers=None")),
+    Bad("check_consistent: a sharded leaf",
+        lambda: sv.distributed.check_consistent({"r": sv.shard_walker(R8)}), sv.CallError,
+        ("check_consistent", "leaf ['r'] of params is sharded", "replicated part of params")),
 ]  # fmt: skip
 
 
