@@ -22,15 +22,12 @@ out_specs=P('w'), check_vma=...))`` kernels, no shardvmc code, in float64:
     runs, and whether the optimized HLO differs.
 """
 
-import os
 
-# Before JAX starts: 8 fake CPU devices. The second flag avoids an XLA CPU deadlock of the
+from shardvmc.testing import set_cpu_devices
+
+# Before JAX starts: 8 fake CPU devices, and the workaround of an XLA CPU deadlock of the
 # concurrency-optimized scheduler on larger programs.
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (
-        os.environ.get("XLA_FLAGS", "")
-        + " --xla_force_host_platform_device_count=8 --xla_cpu_enable_concurrency_optimized_scheduler=false"
-    )
+set_cpu_devices(8)
 
 import collections  # noqa: E402
 import json  # noqa: E402
