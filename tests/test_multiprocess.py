@@ -27,8 +27,8 @@ import numpy as np
 import pytest
 
 import shardvmc as sv
-from shardvmc.testing import CPU_SCHEDULER_FLAG
 from shardvmc import distributed, launch
+from shardvmc.testing import CPU_SCHEDULER_FLAG
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "mp_worker.py"
