@@ -322,6 +322,7 @@ def run(
         walker_set = sv.initialize_walkers_sharded(init_walker, walkers, key=jax.random.fold_in(root, 0))
         n_valid = walkers  # the first `walkers` are real, the rest is padding the kernels mask out
         params = sv.replicate(Params(alpha=jnp.asarray(1.6875), beta=jnp.asarray(1.0)))
+        sv.distributed.check_consistent(params)  # every process starts from the same parameters
         walker_set = kernels.refresh(params, walker_set, n_valid=n_valid)
 
         step = make_step(mesh, n_valid, batch_size, sweeps, step_size, learning_rate, max_norm)

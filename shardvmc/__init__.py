@@ -10,6 +10,7 @@ Example:
 """
 
 from . import distributed as distributed
+from ._checkpoint import RESIZED as RESIZED
 from ._checkpoint import Checkpoint as Checkpoint
 from ._checkpoint import load_walkers as load_walkers
 from ._checkpoint import save_walkers as save_walkers
@@ -20,6 +21,7 @@ from ._errors import CallError as CallError
 from ._errors import DecorationError as DecorationError
 from ._errors import ShardvmcError as ShardvmcError
 from ._errors import UnhashableStaticError as UnhashableStaticError
+from ._explain import CommunicationWarning as CommunicationWarning
 from ._kernel import PaddingWarning as PaddingWarning
 from ._markers import Mean as Mean
 from ._markers import PerWalker as PerWalker
@@ -59,11 +61,13 @@ __version__ = "0.1.0"
 __all__ = [
     "CallError",
     "Checkpoint",
+    "CommunicationWarning",
     "DecorationError",
     "Mean",
     "NaturalGradientInfo",
     "PaddingWarning",
     "PerWalker",
+    "RESIZED",
     "Replicated",
     "ShardvmcError",
     "Static",

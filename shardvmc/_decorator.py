@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import operator
 import types
@@ -16,7 +17,7 @@ from jax.sharding import Mesh
 
 from . import _compat
 from ._errors import CallError, DecorationError, ShardvmcError, UnhashableStaticError, message
-from ._kernel import Options, build, explain_call_error, inside_kernel, leading_count, output_shardings
+from ._kernel import Options, build, explain_call_error, inside_kernel, leading_count, output_shardings, signature_of
 from ._markers import Kind, Layout, missing_markers_error, parse
 from ._mesh import resolve_mesh
 from ._walkerset import WalkerSet, check_n_valid
@@ -60,6 +61,8 @@ class WalkerParallel:
         self._replicated = replicated
         self._nested = nested
         self._missing: list[str] = []
+        self.chosen_batch_sizes: dict[Any, int | None] = {}
+        """With ``batch_size="auto"``: the chunk chosen for each argument signature (``None``: all at once)."""
         self._cache: dict[tuple[Mesh, tuple[Any, ...], bool], Callable[..., Any]] = {}  # mesh, statics, even
         if layout is None:
             # Unmarked parameters are reported at the first call: a replicated_args(...) stacked above may
@@ -101,22 +104,35 @@ class WalkerParallel:
         bound.apply_defaults()
         return tuple(bound.arguments.values())
 
-    def _kernel(self, mesh: Mesh, args: tuple[Any, ...], dyn: tuple[Any, ...]) -> Callable[..., Any]:
+    def _kernel(self, mesh: Mesh, args: tuple[Any, ...], dyn: tuple[Any, ...], n_valid: Any) -> Callable[..., Any]:
         axis = self._options.axis_name
         statics = self._statics_of(args)
         n = self._walker_count(dyn)
-        key = (mesh, statics, n is None or n % _compat.axis_size(mesh, axis) == 0)
+        key: tuple[Any, ...] = (mesh, statics, n is None or n % _compat.axis_size(mesh, axis) == 0)
+        auto = self._options.batch_size == "auto"
+        if auto:  # the chunk is chosen per shape: the arguments' abstract signature keys the kernel too
+            key += (signature_of(dyn), n_valid is None)
         try:
             return self._cache[key]
         except KeyError:
             pass
         except TypeError:
             self._raise_unhashable(statics)
-        # Only an evenly divisible walker count can keep its sharding on the way out.
-        shardings = output_shardings(self._layout, mesh, axis) if key[2] else None
-        run = jax.jit(
-            build(self.__wrapped__, self._layout, statics, mesh, self._options, self._qualname), out_shardings=shardings
-        )
+        # shard_map's out_specs give per-walker outputs P(axis) on a mesh of several devices. On one device XLA
+        # reports P() instead, so the spec is pinned with out_shardings there only: on more devices, pinned
+        # shardings become the required shardings of the cotangents when a caller differentiates eagerly.
+        shardings = output_shardings(self._layout, mesh, axis) if key[2] and mesh.size == 1 else None
+
+        def jitted(options: Options) -> Callable[..., Any]:
+            return jax.jit(
+                build(self.__wrapped__, self._layout, statics, mesh, options, self._qualname), out_shardings=shardings
+            )
+
+        if auto:
+            run, chosen = _largest_fitting_chunk(self, jitted, mesh, dyn, n_valid)
+            self.chosen_batch_sizes[key[3]] = chosen
+        else:
+            run = jitted(self._options)
         self._cache[key] = run
         return run
 
@@ -184,7 +200,7 @@ class WalkerParallel:
             args = self._arguments(args, kwargs)
         dyn, n_valid, count = self._walker_sets(self._dyn_of(args), n_valid)
         mesh = resolve_mesh(self._mesh, self._options.axis_name, where=self._qualname)
-        return mesh, self._kernel(mesh, args, dyn), dyn, n_valid, count
+        return mesh, self._kernel(mesh, args, dyn, n_valid), dyn, n_valid, count
 
     def __call__(self, *args: Any, n_valid: Any = None, **kwargs: Any) -> Any:
         mode = inside_kernel()
@@ -297,6 +313,55 @@ class WalkerParallel:
         )
 
 
+def _largest_fitting_chunk(
+    kernel: WalkerParallel, jitted: Callable[[Options], Any], mesh: Mesh, dyn: tuple[Any, ...], n_valid: Any
+) -> tuple[Callable[..., Any], int | None]:
+    """``batch_size="auto"``: the largest chunk whose compiled per-device bytes fit the budget.
+
+    Candidates are all walkers of a device at once, then powers of two below that; the
+    compiled memory grows with the chunk, so a bisection needs a few compilations at most
+    (one when everything fits at once).
+    """
+    from ._memory import compiled_memory, device_memory_budget, format_bytes
+
+    options = kernel._options
+    n = kernel._walker_count(dyn) or 1
+    size = _compat.axis_size(mesh, options.axis_name)
+    per_device = -(-n // size)
+    budget = options.memory_budget or device_memory_budget(mesh.devices.flat[0])
+    candidates: list[int | None] = [1 << k for k in range(max(per_device - 1, 1).bit_length()) if 1 << k < per_device]
+    candidates.append(None)  # ascending: 1, 2, 4, ..., then every walker at once
+    tried: dict[int | None, tuple[Any, int]] = {}
+
+    def needs(bs: int | None) -> int:
+        if bs not in tried:
+            run = jitted(dataclasses.replace(options, batch_size=bs))
+            with jax.set_mesh(mesh) if _compat.context_mesh_differs(mesh) else contextlib.nullcontext():
+                compiled = run.lower(dyn, n_valid).compile()
+            tried[bs] = (run, compiled_memory(compiled).total_bytes)
+        return tried[bs][1]
+
+    if needs(None) <= budget:
+        return tried[None][0], None
+    lo, hi = 0, len(candidates) - 1  # candidates[hi] does not fit
+    if needs(candidates[0]) > budget:
+        raise CallError(
+            message(
+                kernel._qualname,
+                "batch_size='auto' found no chunk that fits the per-device memory budget: even one walker at a time "
+                "needs more.",
+                got=f"{format_bytes(needs(candidates[0]))} per device for batch_size=1, "
+                f"{format_bytes(needs(None))} for all {per_device} walkers of a device at once",
+                expected=f"at most {format_bytes(budget)} per device (memory_budget)",
+                fix="spread the walkers over more devices, shrink the per-walker work, or raise memory_budget=.",
+            )
+        )
+    while hi - lo > 1:  # candidates[lo] fits, candidates[hi] does not
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if needs(candidates[mid]) <= budget else (lo, mid)
+    return tried[candidates[lo]][0], candidates[lo]
+
+
 @overload
 def walker_parallel(fn: Callable[..., Any], /) -> WalkerParallel: ...
 @overload
@@ -306,9 +371,10 @@ def walker_parallel(
     *,
     mesh: Mesh | None = None,
     axis_name: str | tuple[str, ...] = "walkers",
-    batch_size: int | None = None,
+    batch_size: int | str | None = None,
     batched: bool = False,
     checks: bool = True,
+    memory_budget: int | None = None,
 ) -> Callable[[Callable[..., Any]], WalkerParallel]: ...
 def walker_parallel(
     fn: Callable[..., Any] | None = None,
@@ -316,9 +382,10 @@ def walker_parallel(
     *,
     mesh: Mesh | None = None,
     axis_name: str | tuple[str, ...] = "walkers",
-    batch_size: int | None = None,
+    batch_size: int | str | None = None,
     batched: bool = False,
     checks: bool = True,
+    memory_budget: int | None = None,
 ) -> WalkerParallel | Callable[[Callable[..., Any]], WalkerParallel]:
     """Turn a function of ONE walker into a jitted kernel over all walkers on all devices.
 
@@ -346,12 +413,17 @@ def walker_parallel(
         axis_name: the walker axis of the mesh, or a tuple of axes that the walkers are
             split over together (e.g. ``("hosts", "local")``).
         batch_size: process each device's walkers this many at a time
-            (``folx.batched_vmap``), bounding memory by ``batch_size``.
+            (``folx.batched_vmap``), bounding memory by ``batch_size``. ``"auto"``: the
+            largest chunk (all walkers at once, or a power of two) whose compiled
+            per-device bytes fit ``memory_budget``, chosen once per argument shape when
+            the kernel compiles and recorded in ``chosen_batch_sizes``.
         batched: ``fn`` already takes a block of walkers (axis 0); ``WalkerKey`` then
             arrives as a block of keys, ``Mean``/``Sum`` outputs are per-walker rows, and
             a ``Replicated`` output is returned as the block function computed it (for
             results of :data:`all_walkers`). Not combinable with ``batch_size``.
         checks: check shapes at trace time (free at run time).
+        memory_budget: bytes per device for ``batch_size="auto"``; default: what JAX
+            reports for the device, or a share of host RAM for CPU devices.
 
     Returns:
         A :class:`WalkerParallel` (or a decorator, when called with options only).
@@ -370,9 +442,21 @@ def walker_parallel(
         >>> float(energy(jnp.float32(0.5), jnp.ones((10, 2, 3))))
         3.0
     """
-    options = Options(axis_name=axis_name, batch_size=batch_size, batched=batched, checks=checks)
-    if batch_size is not None and (not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1):
-        raise ValueError(f"walker_parallel: batch_size must be a positive int or None, got {batch_size!r}.")
+    options = Options(
+        axis_name=axis_name, batch_size=batch_size, batched=batched, checks=checks, memory_budget=memory_budget
+    )
+    if batch_size not in (None, "auto") and (
+        not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1
+    ):
+        raise ValueError(f"walker_parallel: batch_size must be a positive int, 'auto' or None, got {batch_size!r}.")
+    if memory_budget is not None and batch_size != "auto":
+        raise DecorationError(
+            message(
+                "walker_parallel",
+                "memory_budget= is given without batch_size='auto', the only option that reads it.",
+                fix="add batch_size='auto', or drop memory_budget.",
+            )
+        )
     if batched and batch_size is not None:
         raise DecorationError(
             message(

@@ -23,7 +23,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from . import _compat
 from ._errors import CallError, message
-from ._kernel import inside_kernel, spec
+from ._kernel import inside_kernel, signature_of, spec
 from ._markers import Kind
 from ._placement import pad_n_walkers
 
@@ -45,6 +45,9 @@ _UNASKED = ("all-gather", "all-to-all")
 # An async pair (`all-reduce-start(` ... `all-reduce-done(`) counts once, at its start; the instruction's own
 # name (`%all-gather = ...`), `-done` ops and metadata mentions do not match.
 _OP = re.compile(r"(?<![\w%.\-])(" + "|".join(re.escape(c) for c in COLLECTIVES) + r")(?:-start)?\(")
+
+_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
+"""A quoted string of HLO text (metadata op names, source files): never an op."""
 
 _warned: weakref.WeakSet[Any] = weakref.WeakSet()
 """The kernels that already warned ``CommunicationWarning``."""
@@ -145,16 +148,17 @@ class Explanation:
     @property
     def chunking(self) -> str:
         """How each device runs the function over its walkers, in words."""
-        n = self.walkers_per_device
+        per_device = self.walkers_per_device
+        n = f"{per_device} walker{'s' if per_device != 1 else ''}"
         if self.batched:
-            return f"block function: each device passes its {n} walkers as one block"
+            return f"block function: each device passes its {n} as one block"
         if self.batch_size:
-            chunks = math.ceil(n / self.batch_size)
+            chunks = math.ceil(per_device / self.batch_size)
             return (
-                f"folx.batched_vmap, batch_size={self.batch_size}: each device's {n} walkers in {chunks} "
+                f"folx.batched_vmap, batch_size={self.batch_size}: each device's {n} in {chunks} "
                 f"chunk{'s' if chunks != 1 else ''}"
             )
-        return f"jax.vmap (no batch_size): each device's {n} walkers at once"
+        return f"jax.vmap (no batch_size): each device's {n} at once"
 
     def __str__(self) -> str:
         axis = self.walker_axis if isinstance(self.walker_axis, str) else " x ".join(self.walker_axis)
@@ -226,7 +230,7 @@ def count_collectives(hlo_text: str) -> dict[str, int]:
         {'all-reduce': 1, 'all-gather': 1}
     """
     found: dict[str, int] = {}
-    for op in _OP.findall(hlo_text):
+    for op in _OP.findall(_STRING.sub('""', hlo_text)):
         found[op] = found.get(op, 0) + 1
     return {op: found[op] for op in COLLECTIVES if op in found}
 
@@ -306,7 +310,7 @@ def _cause(kernel: WalkerParallel, mesh: Mesh, dyn: tuple[Any, ...], n: int, siz
             if sharding is None or sharding.is_fully_replicated:
                 continue
             placed = _placed(leaf) or sharding
-            where = f"{p.kind.value} argument {p.name!r}{jax.tree_util.keystr(path)} (passed as {placed})"
+            where = f"{p.kind.value} argument {p.name}{jax.tree_util.keystr(path)} (passed as {placed})"
             if p.kind is not Kind.PER_WALKER:
                 sharded.append(where)
             elif not sharding.is_equivalent_to(NamedSharding(mesh, spec(p.kind, axis)), leaf.ndim):
@@ -402,7 +406,9 @@ def explain(kernel: WalkerParallel, args: tuple[Any, ...], kwargs: dict[str, Any
         n_valid=n_valid_out,
         walkers_per_device=n_pad // size,
         batched=kernel._options.batched,
-        batch_size=kernel._options.batch_size,
+        batch_size=kernel.chosen_batch_sizes.get(signature_of(dyn))
+        if kernel._options.batch_size == "auto"
+        else kernel._options.batch_size,
         collectives=collectives,
         unexpected=unexpected,
         cause=cause,

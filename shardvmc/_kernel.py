@@ -36,6 +36,7 @@ __all__ = [
     "inside_kernel",
     "leading_count",
     "output_shardings",
+    "signature_of",
     "spec",
 ]
 
@@ -58,9 +59,10 @@ class Options:
     """The options of ``walker_parallel`` that shape the kernel."""
 
     axis_name: str | tuple[str, ...] = "walkers"
-    batch_size: int | None = None
+    batch_size: int | str | None = None  # an int, None (all at once) or "auto" (chosen per shape)
     batched: bool = False
     checks: bool = True
+    memory_budget: int | None = None  # bytes per device for batch_size="auto" (None: the device's)
 
 
 def _describe(tree: Any) -> str:
@@ -383,6 +385,12 @@ def _warn_padding(
 
 def _unpad(tree: Any, n: int) -> Any:
     return jax.tree_util.tree_map(lambda x: x[:n], tree)
+
+
+def signature_of(dyn: tuple[Any, ...]) -> tuple[Any, ...]:
+    """The abstract signature (structure, shapes, dtypes) of a kernel's dynamic arguments."""
+    leaves, tree = jax.tree_util.tree_flatten(dyn)
+    return (tree, tuple((jnp.shape(x), getattr(x, "dtype", type(x))) for x in leaves))
 
 
 def leading_count(arg: Any) -> int | None:

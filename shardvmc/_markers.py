@@ -48,17 +48,22 @@ PARAM_KINDS = frozenset({Kind.PER_WALKER, Kind.REPLICATED, Kind.KEY, Kind.STATIC
 OUTPUT_KINDS = frozenset({Kind.PER_WALKER, Kind.MEAN, Kind.SUM, Kind.REPLICATED})
 
 PerWalker = Annotated[T, _Marker(Kind.PER_WALKER)]
-"""Every leaf carries the walker axis first; the function body sees one walker."""
 Replicated = Annotated[T, _Marker(Kind.REPLICATED)]
-"""The same value on every device (parameters); the body sees all of it."""
 Static = Annotated[T, _Marker(Kind.STATIC)]
-"""A hashable Python value, a static argument of the compiled kernel."""
 WalkerKey = Annotated[jax.Array, _Marker(Kind.KEY)]
-"""One PRNG key from the caller; walker ``i`` sees ``jax.random.fold_in(key, i)``."""
 Mean = Annotated[T, _Marker(Kind.MEAN)]
-"""Output averaged over the valid walkers, replicated on every device."""
 Sum = Annotated[T, _Marker(Kind.SUM)]
-"""Output summed over the valid walkers, replicated on every device."""
+
+# Each alias gets its own docstring (``help(sv.PerWalker)``), not typing's generic one.
+PerWalker.__doc__ = "Every leaf carries the walker axis first; the function body sees one walker."
+Replicated.__doc__ = (
+    "The same value on every device (parameters); the body sees all of it. As a return marker: a value a "
+    "batched=True block function made equal on every device (e.g. with sv.all_walkers)."
+)
+Static.__doc__ = "A hashable Python value, a static argument of the compiled kernel."
+WalkerKey.__doc__ = "One PRNG key from the caller; walker ``i`` sees ``jax.random.fold_in(key, i)``."
+Mean.__doc__ = "Output averaged over the valid walkers, replicated on every device."
+Sum.__doc__ = "Output summed over the valid walkers, replicated on every device."
 
 
 @dataclasses.dataclass(frozen=True)

@@ -126,6 +126,12 @@ def _body(what: str) -> Body:
     return body
 
 
+def _sum(body: Body, x: Any) -> Any:
+    if body.mode == "walker":
+        return reduce_blocks(_identity, (x,), body.valid, body.axes)
+    return reduce_blocks(row_sum, (x,), body.valid, body.axes)
+
+
 class _AllWalkers:
     """Statistics over all valid walkers of all devices, callable inside a kernel's body.
 
@@ -151,14 +157,12 @@ class _AllWalkers:
 
     def sum(self, x: Any) -> Any:
         """Sum of ``x`` over the valid walkers of all devices (a pytree, leaf by leaf)."""
-        body = _body("sum")
-        if body.mode == "walker":
-            return reduce_blocks(_identity, (x,), body.valid, body.axes)
-        return reduce_blocks(row_sum, (x,), body.valid, body.axes)
+        return _sum(_body("sum"), x)
 
     def mean(self, x: Any) -> Any:
         """Mean of ``x`` over the valid walkers of all devices (a pytree, leaf by leaf)."""
-        return mean_of(self.sum(x), _body("mean").count)
+        body = _body("mean")
+        return mean_of(_sum(body, x), body.count)
 
     def count(self) -> jax.Array:
         """The number of valid walkers of all devices (an int32 scalar)."""

@@ -13,17 +13,30 @@ Example:
 
 from __future__ import annotations
 
+import atexit
+import hashlib
 import importlib.metadata
 import importlib.util
+import logging
 import os
+import sys
+import threading
 from collections.abc import Sequence
 from typing import Any
 
 import jax
+import numpy as np
 
 from ._errors import CallError, message
 
-__all__ = ["ENV_COORDINATOR", "ENV_NUM_PROCESSES", "ENV_PROCESS_ID", "initialize", "is_launched"]
+__all__ = [
+    "ENV_COORDINATOR",
+    "ENV_NUM_PROCESSES",
+    "ENV_PROCESS_ID",
+    "check_consistent",
+    "initialize",
+    "is_launched",
+]
 
 ENV_COORDINATOR = "SHARDVMC_COORDINATOR_ADDRESS"
 """Environment variable the launcher sets to the coordinator's ``host:port``."""
@@ -44,6 +57,9 @@ _ACCELERATOR_PLUGINS = (
 
 # What this module passed to jax.distributed.initialize, to compare a second call with.
 _SETTINGS: dict[str, Any] | None = None
+
+# The exit code of a failing exit of the main thread (sys.exit(non-zero), uncaught exception).
+_FAILED_EXIT: int | None = None
 
 
 def is_launched() -> bool:
@@ -131,6 +147,63 @@ def _pin_gloo_to(host: str) -> None:
     module.make_gloo_tcp_collectives = make_on_host
 
 
+def _exit_code(status: Any) -> int:
+    """The process exit code Python gives ``sys.exit(status)``."""
+    if status is None:
+        return 0
+    if isinstance(status, bool) or not isinstance(status, int):
+        return 1  # sys.exit("message") prints the message and exits with 1
+    return status & 0xFF
+
+
+def _fail_fast_on_exit() -> None:
+    """Make a failing exit skip JAX's shutdown barrier, so the other processes learn of it.
+
+    At exit, JAX's ``distributed.shutdown()`` waits (up to 5 minutes) for every process
+    to arrive; a process that fails while its peers keep computing would sit there,
+    alive, and the launcher (or a cluster scheduler) could not tell that it failed.
+    Python offers no way to read the exit code at exit, so the two ways a program fails
+    are recorded as they happen: ``sys.exit`` with a non-zero status in the main thread
+    and an uncaught exception (through ``sys.excepthook``, which runs before exit). A
+    handler registered after JAX's own (so run before it) flushes the output and ends
+    the process with that code at once (``os._exit``: exit handlers registered before
+    ``initialize`` are skipped too; JAX's teardown would wait in the barrier otherwise).
+    A successful exit is untouched.
+    """
+
+    def record(code: int) -> None:
+        global _FAILED_EXIT
+        if code and threading.current_thread() is threading.main_thread():
+            _FAILED_EXIT = code
+
+    def exit_(status: Any = None) -> None:
+        record(_exit_code(status))
+        real_exit(status)
+
+    def excepthook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
+        record(128 + 2 if issubclass(kind, KeyboardInterrupt) else 1)
+        real_hook(kind, value, tb)
+
+    def exit_now() -> None:
+        if _FAILED_EXIT is None:
+            return
+        logging.shutdown()
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:  # pragma: no cover - a closed stream
+                pass
+        os._exit(_FAILED_EXIT)
+
+    if getattr(sys.exit, "shardvmc_fail_fast", False):
+        return
+    real_exit, real_hook = sys.exit, sys.excepthook
+    exit_.shardvmc_fail_fast = True  # type: ignore[attr-defined]
+    sys.exit = exit_
+    sys.excepthook = excepthook
+    atexit.register(exit_now)  # atexit runs last-registered first: before JAX's shutdown
+
+
 def _check_same(requested: dict[str, Any]) -> None:
     """A second call: nothing to do if it asks for what is set up, else a clear error."""
     current = {k: v for k, v in (_SETTINGS or {}).items() if v is not None}
@@ -167,6 +240,13 @@ def initialize(
     may follow ``import shardvmc`` and the decoration of functions.
 
     Calling it again is a no-op when the settings asked for are the ones in place.
+
+    A process that then fails, by ``sys.exit(code)`` with a non-zero code in the main
+    thread or by an uncaught exception, exits at once with that code (1 for an
+    exception) instead of waiting up to 5 minutes in JAX's shutdown barrier for peers
+    that are still computing: ``python -m shardvmc.launch`` sees the failure and stops
+    the others. (A ``SystemExit`` raised with ``raise`` or caught and ignored by the
+    program is not seen; a successful exit still waits for the peers, as JAX's does.)
 
     Args:
         coordinator_address: ``host:port`` of process 0's coordinator service.
@@ -227,6 +307,7 @@ def initialize(
         local_device_ids=local_device_ids,
         **kwargs,
     )
+    _fail_fast_on_exit()
     try:  # what auto-detection settled on (no public spelling)
         from jax._src.distributed import global_state
 
@@ -234,3 +315,109 @@ def initialize(
     except ImportError:  # pragma: no cover
         pass
     _SETTINGS = requested
+
+
+def _local_copy(leaf: Any) -> np.ndarray:
+    """This process's copy of a replicated leaf as host data (typed keys as their key data)."""
+    if isinstance(leaf, jax.Array):
+        if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+            leaf = jax.random.key_data(leaf)
+        if not leaf.is_fully_addressable:
+            leaf = leaf.addressable_data(0)  # one device's full copy: no transfer between processes
+    return np.ascontiguousarray(np.asarray(leaf))
+
+
+def _digest(*parts: bytes | np.ndarray) -> np.ndarray:
+    """A 64-bit checksum of ``parts`` (SHA-1, truncated) as two int32, what every collective carries."""
+    h = hashlib.sha1(usedforsecurity=False)  # a checksum, not security; faster here than BLAKE2b
+    for part in parts:
+        data = part.reshape(-1).view(np.uint8) if isinstance(part, np.ndarray) else part  # no copy
+        h.update(len(data).to_bytes(8, "little"))
+        h.update(data)
+    return np.frombuffer(h.digest()[:8], dtype=np.int32).copy()
+
+
+def _differing(column: np.ndarray) -> str:
+    """Which processes hold which value: ``processes [0, 2] vs [1]`` (by checksum)."""
+    groups: dict[bytes, list[int]] = {}
+    for process, row in enumerate(column):
+        groups.setdefault(row.tobytes(), []).append(process)
+    return "processes " + " vs ".join(str(g) for g in sorted(groups.values()))
+
+
+def check_consistent(tree: Any, *, what: str = "params") -> None:
+    """Check that every process holds the same values of a replicated pytree.
+
+    Each process computes a 64-bit checksum (SHA-1 of the bytes; dtypes and shapes are
+    compared too) of its own copy of every leaf, and only these checksums travel
+    between processes (one all-gather of two int32 per process, then one of two int32
+    per leaf and process); no leaf is gathered. Bitwise equality is checked: processes that diverged by one
+    rounding step are reported. Cheap enough to run every few hundred steps; in a
+    single process it returns at once. Call it on every process (a collective).
+
+    Args:
+        tree: a pytree meant to be identical on every process (parameters, optimiser
+            state, a shared key): replicated ``jax.Array``s, host arrays or numbers.
+        what: the name of ``tree`` in the error message.
+
+    Raises:
+        CallError: naming the leaves (pytree paths) that differ and which processes
+            hold which value, or the processes whose pytree has another structure,
+            shapes or dtypes; also for a leaf sharded over the walker axis, which is
+            not replicated.
+
+    Example:
+        >>> import jax.numpy as jnp, shardvmc as sv
+        >>> sv.distributed.check_consistent({"w": jnp.ones(3), "b": 0.5})  # one process: nothing to compare
+    """
+    where = "shardvmc.distributed.check_consistent"
+    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+    names = [jax.tree_util.keystr(path) or "<root>" for path, _ in flat]
+    for name, (_, leaf) in zip(names, flat):
+        if isinstance(leaf, jax.Array) and not leaf.sharding.is_fully_replicated:
+            raise CallError(
+                message(
+                    where,
+                    f"leaf {name} of {what} is sharded ({leaf.sharding}), so processes hold different parts of it.",
+                    got=f"{leaf.dtype}{list(leaf.shape)}",
+                    expected="replicated leaves (sv.replicate) or host values",
+                    fix=f"pass only the replicated part of {what}; per-walker data differs between processes.",
+                )
+            )
+    if jax.process_count() == 1:
+        return
+    from jax.experimental import multihost_utils
+
+    local = [_local_copy(leaf) for _, leaf in flat]
+    layout = repr([(name, str(x.dtype), x.shape) for name, x in zip(names, local)]).encode()
+    layouts = np.asarray(multihost_utils.process_allgather(_digest(layout)))
+    if len({row.tobytes() for row in layouts}) > 1:
+        raise CallError(
+            message(
+                where,
+                f"{what} has another structure, shape or dtype on some processes.",
+                got=_differing(layouts) + f"; this is process {jax.process_index()} with {len(local)} leaves",
+                expected="the same pytree of the same shapes and dtypes on every process",
+                fix=f"build {what} the same way on every process (same config, same code version).",
+            )
+        )
+    if not local:
+        return
+    sums = np.stack([_digest(x) for x in local])
+    every = np.asarray(multihost_utils.process_allgather(sums))  # (processes, leaves, 2)
+    bad = [i for i in range(len(local)) if len({row.tobytes() for row in every[:, i]}) > 1]
+    if bad:
+        shown = "; ".join(f"{names[i]}: {_differing(every[:, i])}" for i in bad[:8])
+        more = f" (and {len(bad) - 8} more)" if len(bad) > 8 else ""
+        raise CallError(
+            message(
+                where,
+                f"{what} differ between processes in {len(bad)} of {len(local)} leaves: "
+                f"{', '.join(names[i] for i in bad[:8])}{more}.",
+                got=shown + more,
+                expected=f"bitwise identical {what} on every process",
+                fix=f"create {what} from the same seed on every process, or make them equal with "
+                "jax.experimental.multihost_utils.broadcast_one_to_all(...); updates must use only "
+                "all-reduced (Mean/Sum) quantities, never per-process ones.",
+            )
+        )

@@ -9,11 +9,22 @@ Each process finds the group in its environment (``SHARDVMC_COORDINATOR_ADDRESS`
 ``SHARDVMC_NUM_PROCESSES``, ``SHARDVMC_PROCESS_ID``), so the program joins it with
 ``if sv.distributed.is_launched(): sv.distributed.initialize()``. With
 ``--devices-per-process N`` every process runs on CPU with ``N`` fake devices
-(``JAX_PLATFORMS=cpu``, ``XLA_FLAGS=--xla_force_host_platform_device_count=N``).
+(``JAX_PLATFORMS=cpu``, ``XLA_FLAGS=--xla_force_host_platform_device_count=N`` and the XLA CPU
+deadlock workaround ``shardvmc.testing.CPU_SCHEDULER_FLAG``).
 
 Every output line is prefixed with its process index (``[0] ...``). The launcher exits
-with the first failing process's code (``128 + signal`` for a signal) and stops the
-others at once, or with 124 when ``--timeout`` seconds pass; 0 when all succeed.
+with the first failing process's code (``128 + signal`` for a signal), or with 124 when
+``--timeout`` seconds pass; 0 when all succeed.
+
+Stopping is bounded whatever the processes do: each process runs in its own session
+(process group), and stopping sends SIGTERM to every group, then SIGKILL to what is
+left after ``--grace`` seconds (JAX's preemption notifier catches SIGTERM and carries
+on, so the SIGKILL is what ends a busy or hung JAX process). The same happens when the
+launcher itself gets SIGINT (Ctrl-C) or SIGTERM: it exits with ``128 + signal`` and
+leaves no process of its groups behind. A process that fails with ``sys.exit(code)``
+or an uncaught exception after ``sv.distributed.initialize()`` exits at once instead
+of waiting in JAX's shutdown barrier for its peers (see
+:func:`shardvmc.distributed.initialize`), so the launcher sees the failure.
 """
 
 from __future__ import annotations
@@ -31,13 +42,16 @@ from collections.abc import Mapping, Sequence
 from typing import IO
 
 from .distributed import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID
+from .testing import CPU_SCHEDULER_FLAG
 
-__all__ = ["TIMEOUT_EXIT_CODE", "free_port", "launch", "main", "process_env"]
+__all__ = ["DEFAULT_GRACE_S", "TIMEOUT_EXIT_CODE", "free_port", "launch", "main", "process_env"]
 
 TIMEOUT_EXIT_CODE = 124
 """Exit code of the launcher when ``--timeout`` ran out (as with coreutils' ``timeout``)."""
 
-_GRACE_S = 3.0  # from SIGTERM to SIGKILL when stopping processes
+DEFAULT_GRACE_S = 3.0
+"""Seconds from SIGTERM to SIGKILL when the launcher stops the processes (``--grace``)."""
+
 _DEVICE_COUNT_FLAG = re.compile(r"--xla_force_host_platform_device_count=\S*")
 
 
@@ -66,12 +80,12 @@ def process_env(
     Sets the ``SHARDVMC_*`` variables that ``sv.distributed.initialize()`` reads, binds
     the coordinator to the loopback address only, keeps proxies away from it, and,
     with ``devices_per_process``, gives the process that many fake CPU devices
-    (replacing any device count already in ``XLA_FLAGS``).
+    (replacing any device count already in ``XLA_FLAGS``) and the XLA CPU deadlock workaround.
 
     Example:
         >>> from shardvmc.launch import process_env
         >>> env = process_env({"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}, "127.0.0.1:5000", 2, 1, 2)
-        >>> env["SHARDVMC_PROCESS_ID"], env["XLA_FLAGS"], env["JAX_PLATFORMS"]
+        >>> env["SHARDVMC_PROCESS_ID"], env["XLA_FLAGS"].split()[0], env["JAX_PLATFORMS"]
         ('1', '--xla_force_host_platform_device_count=2', 'cpu')
     """
     env = dict(base)
@@ -86,7 +100,10 @@ def process_env(
             env[name] = ",".join(filter(None, [env.get(name, ""), host, "localhost"]))
     if devices_per_process is not None:
         flags = _DEVICE_COUNT_FLAG.sub("", env.get("XLA_FLAGS", "")).split()
-        env["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={devices_per_process}"])
+        flags.append(f"--xla_force_host_platform_device_count={devices_per_process}")
+        if CPU_SCHEDULER_FLAG not in flags:  # the XLA CPU deadlock workaround (shardvmc.testing)
+            flags.append(CPU_SCHEDULER_FLAG)
+        env["XLA_FLAGS"] = " ".join(flags)
         env["JAX_PLATFORMS"] = "cpu"
     return env
 
@@ -101,20 +118,29 @@ def _forward(index: int, stream: IO[bytes], out: IO[str], lock: threading.Lock) 
     stream.close()
 
 
-def _stop(procs: Sequence[subprocess.Popen[bytes]]) -> None:
-    """SIGTERM every running process group, then SIGKILL what is left after a grace period."""
-    running = [p for p in procs if p.poll() is None]
-    for p in running:
-        _signal_group(p, signal.SIGTERM)
-    deadline = time.monotonic() + _GRACE_S
-    for p in running:
-        try:
-            p.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
+def _stop(procs: Sequence[subprocess.Popen[bytes]], grace: float) -> None:
+    """SIGTERM every running process group, then SIGKILL every group after ``grace`` seconds.
+
+    Every group is killed at the end, even when its leader has exited: a child the
+    leader started lives on in the group otherwise. An interruption during the grace
+    period (Ctrl-C) cuts it short: the SIGKILL is sent anyway.
+    """
+    try:
+        running = [p for p in procs if p.poll() is None]
+        for p in running:
+            _signal_group(p, signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for p in running:
+            try:
+                p.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+    finally:
+        for p in procs:
             _signal_group(p, signal.SIGKILL)
-    for p in running:
+    for p in procs:
         try:
-            p.wait(timeout=_GRACE_S)
+            p.wait(timeout=max(grace, 1.0))
         except subprocess.TimeoutExpired:  # pragma: no cover - unkillable process
             pass
 
@@ -136,6 +162,7 @@ def launch(
     devices_per_process: int | None = None,
     timeout: float | None = None,
     *,
+    grace: float = DEFAULT_GRACE_S,
     env: Mapping[str, str] | None = None,
     stdout: IO[str] | None = None,
     stderr: IO[str] | None = None,
@@ -148,6 +175,7 @@ def launch(
         devices_per_process: fake CPU devices per process; ``None`` leaves the
             platform and ``XLA_FLAGS`` as they are.
         timeout: seconds after which every process is stopped (exit code 124).
+        grace: seconds between SIGTERM and SIGKILL when stopping the processes.
         env: the base environment (default: this process's).
         stdout: where the prefixed output lines go (default: ``sys.stdout``).
         stderr: where the launcher's own messages go (default: ``sys.stderr``).
@@ -169,6 +197,8 @@ def launch(
         raise ValueError(f"launch: processes must be at least 1, got {processes}.")
     if not command:
         raise ValueError("launch: no command given; put it after `--`.")
+    if not grace >= 0:
+        raise ValueError(f"launch: grace must be at least 0 seconds, got {grace}.")
     out = sys.stdout if stdout is None else stdout
     err = sys.stderr if stderr is None else stderr
     coordinator = f"127.0.0.1:{free_port()}"
@@ -217,12 +247,10 @@ def launch(
                 code = TIMEOUT_EXIT_CODE
                 break
             time.sleep(0.05)
-    except BaseException:
-        _stop(procs)
-        raise
-    _stop(procs)
+    finally:  # also when interrupted (KeyboardInterrupt, or the launcher's own SIGTERM)
+        _stop(procs, grace)
     for thread in threads:
-        thread.join(timeout=_GRACE_S)
+        thread.join(timeout=max(grace, 1.0))
     return code
 
 
@@ -233,7 +261,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv: the arguments after the program name (default: ``sys.argv[1:]``).
 
     Returns:
-        The exit code of :func:`launch`; 130 when interrupted.
+        The exit code of :func:`launch`; ``128 + signal`` when the launcher got SIGINT
+        (130) or SIGTERM (143), after stopping every process.
 
     Example:
         >>> import sys
@@ -256,6 +285,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="run on CPU with N fake devices per process (sets JAX_PLATFORMS=cpu and XLA_FLAGS)",
     )
     parser.add_argument("--timeout", type=float, default=None, metavar="S", help="stop everything after S seconds")
+    parser.add_argument(
+        "--grace",
+        type=float,
+        default=DEFAULT_GRACE_S,
+        metavar="S",
+        help=f"seconds from SIGTERM to SIGKILL when stopping the processes (default {DEFAULT_GRACE_S:g})",
+    )
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the program to run, after `--`")
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
@@ -265,19 +301,32 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--processes must be at least 1, got {args.processes}.")
     if args.devices_per_process is not None and args.devices_per_process < 1:
         parser.error(f"--devices-per-process must be at least 1, got {args.devices_per_process}.")
+    if not args.grace >= 0:
+        parser.error(f"--grace must be at least 0, got {args.grace}.")
+
+    received: list[int] = []
 
     def on_signal(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt
+        if not received:  # the first signal stops everything; later ones must not interrupt the stopping
+            received.append(signum)
+            raise _Interrupted(signum)
 
+    handled = (signal.SIGINT, signal.SIGTERM)
     main_thread = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, on_signal) if main_thread else None
+    previous = {sig: signal.signal(sig, on_signal) for sig in handled} if main_thread else {}
     try:
-        return launch(command, args.processes, args.devices_per_process, args.timeout)
-    except KeyboardInterrupt:
-        return 130
+        return launch(command, args.processes, args.devices_per_process, args.timeout, grace=args.grace)
+    except (_Interrupted, KeyboardInterrupt):
+        signum = received[0] if received else signal.SIGINT
+        print(f"[launch] got {signal.Signals(signum).name}; stopped every process.", file=sys.stderr, flush=True)
+        return 128 + signum
     finally:
-        if main_thread and previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+class _Interrupted(BaseException):
+    """The launcher got SIGINT or SIGTERM (a BaseException, like KeyboardInterrupt)."""
 
 
 if __name__ == "__main__":

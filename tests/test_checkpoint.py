@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
+import shutil
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -25,6 +26,11 @@ import shardvmc as sv
 import shardvmc._checkpoint as checkpoint_module
 
 ROOT = Path(__file__).resolve().parents[1]
+
+_spec = importlib.util.spec_from_file_location("mp_checkpoint_worker", ROOT / "tests" / "mp_checkpoint_worker.py")
+assert _spec is not None and _spec.loader is not None
+mp_worker = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(mp_worker)
 
 
 @chex.dataclass
@@ -72,6 +78,8 @@ def test_restore_from_8_devices_onto_another_mesh(tmp_path: Path, mesh: Any) -> 
     restored, n_valid, meta = sv.load_walkers(path, walkers, mesh)
 
     assert n_valid == 20 and meta == {"step": 1000, "energy": -2.9}
+    assert isinstance(restored, sv.WalkerSet) and restored.n_valid == 20
+    restored = restored.data
     n_pad = sv.pad_n_walkers(20, mesh.size)
     assert_same_walkers(restored, walkers, 20)
     for path_, leaf in jax.tree_util.tree_flatten_with_path(restored)[0]:
@@ -101,18 +109,19 @@ def test_resumed_chain_continues_the_uninterrupted_one(tmp_path: Path) -> None:
     mesh8, mesh3 = sv.create_mesh(jax.devices()[:8]), sv.create_mesh(jax.devices()[:3])
     step8, step3 = make_step(mesh8), make_step(mesh3)
     key = jax.random.key(3)
-    r = sv.initialize_walkers_sharded(lambda k: jax.random.normal(k, (3,)), 13, mesh8, key=key)
+    r = sv.initialize_walkers_sharded(lambda k: jax.random.normal(k, (3,)), 13, mesh8, key=key)  # a WalkerSet
     uninterrupted = r
     for t in range(10):
         uninterrupted = step8(jax.random.fold_in(key, t), uninterrupted)
     for t in range(5):
         r = step8(jax.random.fold_in(key, t), r)
-    sv.save_walkers(tmp_path / "chain.npz", {"r": r}, n_valid=13, metadata={"t": 5})
-    restored, n_valid, meta = sv.load_walkers(tmp_path / "chain.npz", {"r": r}, mesh3)
-    r = restored["r"]
+    sv.save_walkers(tmp_path / "chain.npz", r, metadata={"t": 5})  # the count comes from the WalkerSet
+    r, n_valid, meta = sv.load_walkers(tmp_path / "chain.npz", r, mesh3)
+    assert isinstance(r, sv.WalkerSet) and n_valid == r.n_valid == 13
     for t in range(meta["t"], 10):
         r = step3(jax.random.fold_in(key, t), r)
-    np.testing.assert_allclose(np.asarray(r)[:n_valid], np.asarray(uninterrupted)[:13], rtol=1e-6, atol=1e-6)
+    assert r.n_valid == 13
+    np.testing.assert_allclose(np.asarray(r.data)[:13], np.asarray(uninterrupted.data)[:13], rtol=1e-6, atol=1e-6)
 
 
 def test_like_may_be_shape_dtype_structs_and_n_valid_defaults_to_all(tmp_path: Path) -> None:
@@ -121,15 +130,67 @@ def test_like_may_be_shape_dtype_structs_and_n_valid_defaults_to_all(tmp_path: P
     like = (jax.ShapeDtypeStruct((1, 2), jnp.float32), {"w": jax.ShapeDtypeStruct((1,), jnp.int32)})
     out, n_valid, meta = sv.load_walkers(tmp_path / "c.npz", like, sv.create_mesh(jax.devices()[:4]))
     assert n_valid == 6 and meta == {}
+    out = out.data
     assert out[0].shape == (8, 2) and out[1]["w"].shape == (8,)
     np.testing.assert_array_equal(np.asarray(out[0])[:6], tree[0])
+
+
+def test_a_walker_set_carries_its_count_through_save_and_load(tmp_path: Path) -> None:
+    mesh = sv.create_mesh(jax.devices()[:4])
+    r = np.arange(24, dtype=np.float32).reshape(8, 3)
+    walkers = sv.WalkerSet({"r": sv.shard_walker(r, mesh)}, n_valid=6)
+    sv.save_walkers(tmp_path / "c.npz", walkers)  # n_valid from the WalkerSet
+    sv.save_walkers(tmp_path / "same.npz", walkers, n_valid=6)  # an explicit count that agrees is fine
+    restored, n_valid, meta = sv.load_walkers(tmp_path / "c.npz", walkers, sv.create_mesh(jax.devices()[:3]))
+    assert (n_valid, restored.n_valid, restored.n_walkers, meta) == (6, 6, 6, {})
+    assert RESIZED_KEY not in meta
+    np.testing.assert_array_equal(np.asarray(restored.data["r"]), r[:6])
+    with pytest.raises(sv.CallError, match=r"(?s)holds 6 walkers, but the WalkerSet `like` expects 8.*n_walkers=8"):
+        sv.load_walkers(tmp_path / "c.npz", walkers.replace(n_valid=8))
+
+
+RESIZED_KEY = "shardvmc.resized"
+
+
+@pytest.mark.parametrize(("n_walkers", "devices"), [(4, 3), (10, 8), (25, 8)])
+def test_elastic_restore_onto_another_walker_count(tmp_path: Path, n_walkers: int, devices: int) -> None:
+    """Fewer keeps the first walkers; more repeats the saved ones in order and says they need burn-in."""
+    walkers, _ = walkers_on(sv.create_mesh(jax.devices()[:8]), 10)
+    sv.save_walkers(tmp_path / "c.npz", walkers, n_valid=10, metadata={"step": 3})
+    mesh = sv.create_mesh(jax.devices()[:devices])
+    restored, n_valid, meta = sv.load_walkers(tmp_path / "c.npz", walkers, mesh, n_walkers=n_walkers)
+    n_pad = sv.pad_n_walkers(n_walkers, devices)
+    assert n_valid == restored.n_valid == n_walkers and restored.n_walkers == n_pad
+    source = [i % 10 for i in range(n_walkers)] + [0] * (n_pad - n_walkers)  # padding: copies of walker 0
+    for (path_, got), want in zip(
+        jax.tree_util.tree_flatten_with_path(restored.data)[0], jax.tree_util.tree_leaves(walkers)
+    ):
+        walker_leaf = got.ndim > 0
+        if jnp.issubdtype(got.dtype, jax.dtypes.prng_key):
+            got, want = jax.random.key_data(got), jax.random.key_data(want)
+        got, want = np.asarray(got), np.asarray(want)
+        np.testing.assert_array_equal(got, want[source] if walker_leaf else want, err_msg=jax.tree_util.keystr(path_))
+    assert sv.RESIZED == RESIZED_KEY
+    if n_walkers == 10:
+        assert meta == {"step": 3}
+    else:
+        assert meta == {
+            "step": 3,
+            RESIZED_KEY: {
+                "saved": 10,
+                "restored": n_walkers,
+                "duplicated": max(0, n_walkers - 10),
+                "dropped": max(0, 10 - n_walkers),
+                "needs_burn_in": n_walkers > 10,
+            },
+        }
 
 
 def test_x64_walkers_round_trip_and_need_x64_to_load(tmp_path: Path) -> None:
     with jax.enable_x64(True):
         x = jnp.arange(8, dtype=jnp.float64) / 3
         sv.save_walkers(tmp_path / "x64.npz", {"x": x})
-        out = sv.load_walkers(tmp_path / "x64.npz", {"x": x}).walkers["x"]
+        out = sv.load_walkers(tmp_path / "x64.npz", {"x": x}).walkers.data["x"]
         assert out.dtype == jnp.float64
         np.testing.assert_array_equal(np.asarray(out), np.asarray(x))
     with pytest.raises(sv.CallError, match=r"(?s)leaf \['x'\] was saved as float64, but `like` has float32.*x64"):
@@ -140,7 +201,7 @@ def test_the_use_mesh_mesh_is_the_default(tmp_path: Path) -> None:
     sv.save_walkers(tmp_path / "c.npz", {"r": np.ones((5, 2), np.float32)})
     mesh = sv.create_mesh(jax.devices()[:2])
     with sv.use_mesh(mesh):
-        r = sv.load_walkers(tmp_path / "c.npz", {"r": np.ones((1, 2), np.float32)}).walkers["r"]
+        r = sv.load_walkers(tmp_path / "c.npz", {"r": np.ones((1, 2), np.float32)}).walkers.data["r"]
     assert r.sharding.mesh == mesh and r.shape == (6, 2)
 
 
@@ -149,7 +210,7 @@ def test_saving_replaces_the_file_and_leaves_no_temporary_files(tmp_path: Path) 
     sv.save_walkers(path, {"r": np.zeros((4, 3), np.float32)}, metadata={"v": 1})
     sv.save_walkers(path, {"r": np.ones((4, 3), np.float32)}, metadata={"v": 2})
     ck = sv.load_walkers(path, {"r": np.zeros((1, 3), np.float32)})
-    assert ck.metadata == {"v": 2} and ck.n_valid == 4 and float(ck.walkers["r"][:4].sum()) == 12.0
+    assert ck.metadata == {"v": 2} and ck.n_valid == 4 and float(ck.walkers.data["r"][:4].sum()) == 12.0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.npz"]
     with np.load(path, allow_pickle=False) as data:  # a plain .npz that NumPy reads without pickle
         header = json.loads(bytes(data["__shardvmc__"]).decode())
@@ -223,7 +284,7 @@ def test_a_writer_killed_mid_write_leaves_the_previous_checkpoint(tmp_path: Path
 
     like = {"r": np.zeros((1, 3), np.float32)}
     walkers, n_valid, meta = sv.load_walkers(path, like, sv.create_mesh(jax.devices()[:1]))
-    r = np.asarray(walkers["r"])
+    r = np.asarray(walkers.data["r"])
     if meta["version"] == 0:
         assert n_valid == 4 and not r.any()
     else:  # a complete earlier big checkpoint
@@ -337,76 +398,193 @@ def test_save_rejects_bad_arguments(tmp_path: Path) -> None:
 
 # ---------------------------------------------------------------- several processes
 
-MULTIPROCESS = textwrap.dedent(
-    """
-    import json, os, sys
-    process_id, port, path = int(sys.argv[1]), sys.argv[2], sys.argv[3]
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
-    os.environ["JAX_PLATFORMS"] = "cpu"
-    import jax
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=process_id)
-    import numpy as np
-    import shardvmc as sv
-    import shardvmc._checkpoint as checkpoint
-
-    writes = []
-    write = checkpoint._write_atomic
-    checkpoint._write_atomic = lambda *args: (writes.append(process_id), write(*args))[1]
-
-    mesh = sv.create_mesh()  # 4 devices, 2 per process
-    r = sv.initialize_walkers_sharded(lambda k: jax.random.normal(k, (3,)), 10, mesh, key=jax.random.key(1))
-    everything = sv.gather_walkers(r)
-    sv.save_walkers(path, {"r": r}, n_valid=10, metadata={"written_by": process_id})
-    assert os.path.exists(path)  # every process returns once the file is there
-
-    # Restore onto a mesh of one device per process: 10 walkers padded to 10, 5 per process.
-    small = sv.create_mesh([next(d for d in jax.devices() if d.process_index == p) for p in range(2)])
-    restored, n_valid, meta = sv.load_walkers(path, {"r": r}, small)
-    shards = restored["r"].addressable_shards
-    assert len(shards) == 1 and shards[0].device.process_index == process_id
-    mine = np.asarray(shards[0].data)
-    assert np.array_equal(mine, everything[:10][shards[0].index]), process_id
-    result = {"writes": writes, "n_valid": n_valid, "meta": meta, "rows": shards[0].index[0].start}
-    with open(f"{path}.result{process_id}", "w") as f:
-        json.dump(result, f)
-    jax.distributed.shutdown()
-    """
-)
+WORKER = ROOT / "tests" / "mp_checkpoint_worker.py"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _launch(processes: int, devices: int, mode: str, directory: Path) -> tuple[int, str]:
+    """Run the checkpoint worker as ``processes`` x ``devices`` through the launcher."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SHARDVMC_")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH", "")]))
+    command = [sys.executable, "-m", "shardvmc.launch", "-n", str(processes), "--devices-per-process", str(devices)]
+    command += ["--grace", "1", "--timeout", "240", "--", sys.executable, str(WORKER), mode, str(directory)]
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    return done.returncode, done.stdout + done.stderr
 
 
-def test_several_processes_one_writer_each_loads_its_part(tmp_path: Path) -> None:
-    script = tmp_path / "worker.py"
-    script.write_text(MULTIPROCESS)
-    port, path = str(_free_port()), str(tmp_path / "walkers.npz")
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(script), str(i), port, path],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env,
-            cwd=tmp_path,
+def _rows(local: dict[str, Any], name: str) -> dict[int, Any]:
+    """Global row index -> value, from the ``[[start, stop], rows]`` shards a process reported."""
+    return {start + k: row for (start, _), rows in local[name] for k, row in enumerate(rows)}
+
+
+@pytest.fixture(scope="module")
+def saved_by_two_processes(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict], str]:
+    """2 processes x 2 devices save 10 walkers; then process 1 is killed in the middle of a second save."""
+    directory = tmp_path_factory.mktemp("two_processes")
+    code, output = _launch(2, 2, "save", directory)
+    assert code == 128 + signal.SIGKILL, output  # process 1 was killed, and the launcher stopped process 0
+    assert "the second save completed" not in output
+    return directory, [json.loads((directory / f"save_{p}.json").read_text()) for p in (0, 1)], output
+
+
+def test_check_consistent_across_processes(saved_by_two_processes: tuple[Path, list[dict], str]) -> None:
+    _, results, _ = saved_by_two_processes
+    for result in results:
+        assert result["equal"] == "passed"
+        text = result["different"]
+        assert text is not None and text.startswith("shardvmc.distributed.check_consistent: parameters differ")
+        assert "1 of 3 leaves: ['w']" in text and "['w']: processes [0] vs [1]" in text and "fix:" in text
+        assert "['b']" not in text and "['key']" not in text
+
+
+def test_each_process_writes_only_its_walkers_and_a_manifest_commits(
+    saved_by_two_processes: tuple[Path, list[dict], str],
+) -> None:
+    directory, results, _ = saved_by_two_processes
+    (data_dir,) = results[0]["data_dirs"]
+    assert results[1]["data_dirs"] == [data_dir]
+    with np.load(directory / "walkers.npz", allow_pickle=False) as manifest:
+        header = json.loads(bytes(manifest["__shardvmc__"]).decode())
+        assert sorted(manifest.files) == ["__shardvmc__", "leaf_3"]  # the scalar `step` only: no walker data
+    assert header["version"] == 2 and header["data"] == data_dir and header["n_valid"] == 10
+    blocks = {e["path"]: e["blocks"] for e in header["leaves"] if e["shape"]}
+    # Sharded leaves: each process wrote the rows of its own devices (padding dropped) ...
+    assert blocks["['r']"] == blocks["['keys']"] == [[0, 3, 0], [3, 6, 0], [6, 9, 1], [9, 10, 1]]
+    # ... and host data that every process holds is split between them.
+    assert blocks["['spin']"] == [[0, 5, 0], [5, 10, 1]]
+    for process, rows in ((0, 6), (1, 4)):
+        with np.load(directory / data_dir / f"part-{process:05d}.npz", allow_pickle=False) as part:
+            assert part["leaf_1"].shape == (rows, 2, 3) and part["leaf_2"].shape == (5,)  # leaves: keys, r, spin
+            np.testing.assert_array_equal(
+                part["leaf_1"], np.asarray(results[0]["saved"]["r"], np.float32)[6 * process : 6 * process + rows]
+            )
+
+
+def test_a_process_killed_mid_save_leaves_the_previous_checkpoint(
+    saved_by_two_processes: tuple[Path, list[dict], str],
+) -> None:
+    directory, results, _ = saved_by_two_processes
+    (committed,) = results[0]["data_dirs"]
+    new = [p for p in directory.glob("walkers.npz.d-*") if p.name != committed]
+    assert len(new) == 1  # the unfinished checkpoint's directory, never committed
+    assert list(new[0].glob(".part-00001.npz.*.tmp"))  # process 1 died while writing its part
+    ck = sv.load_walkers(directory / "walkers.npz", mp_worker.like(), sv.create_mesh(jax.devices()[:3]))
+    assert ck.metadata == {"version": 1} and ck.n_valid == 10
+
+
+def test_restore_onto_one_process_of_three_devices(saved_by_two_processes: tuple[Path, list[dict], str]) -> None:
+    directory, results, _ = saved_by_two_processes
+    saved = results[0]["saved"]
+    assert results[1]["saved"] == saved
+    walkers, n_valid, meta = sv.load_walkers(
+        directory / "walkers.npz", mp_worker.like(), sv.create_mesh(jax.devices()[:3])
+    )
+    assert (n_valid, walkers.n_valid, walkers.n_walkers, meta) == (10, 10, 12, {"version": 1})
+    data = walkers.data
+    assert data["r"].sharding.spec == P("walkers") and len(data["r"].sharding.device_set) == 3
+    np.testing.assert_array_equal(np.asarray(data["r"])[:10], np.asarray(saved["r"], np.float32))
+    np.testing.assert_array_equal(np.asarray(jax.random.key_data(data["keys"]))[:10], saved["keys"])
+    np.testing.assert_array_equal(np.asarray(data["spin"])[:10], saved["spin"])
+    assert int(data["step"]) == 7
+
+
+def test_restore_onto_four_processes_of_one_device(
+    saved_by_two_processes: tuple[Path, list[dict], str], tmp_path: Path
+) -> None:
+    directory, results, _ = saved_by_two_processes
+    saved = results[0]["saved"]
+    code, output = _launch(4, 1, "load", directory)
+    assert code == 0, output
+    loads = [json.loads((directory / f"load_{p}.json").read_text()) for p in range(4)]
+    source = [*range(10), 0, 0]  # 12 rows on 4 devices: the last two are copies of walker 0
+    for p, result in enumerate(loads):
+        assert (result["n_valid"], result["set_n_valid"], result["metadata"], result["step"]) == (
+            10,
+            10,
+            {"version": 1},
+            7,
         )
-        for i in range(2)
-    ]
-    try:
-        for proc in procs:
-            _, err = proc.communicate(timeout=180)
-            assert proc.returncode == 0, err[-3000:]
-    finally:
-        for proc in procs:
-            proc.kill()
-            proc.communicate()
-    outputs = [json.loads(Path(f"{path}.result{i}").read_text()) for i in range(2)]
-    assert [o["writes"] for o in outputs] == [[0], []]  # only process 0 wrote
-    assert all(o["n_valid"] == 10 and o["meta"] == {"written_by": 0} for o in outputs)
-    assert sorted(o["rows"] for o in outputs) == [0, 5]  # each process holds its own half
-    assert not list(tmp_path.glob(".*.tmp"))
+        for name in ("r", "keys", "spin"):
+            rows = _rows(result["exact"], name)
+            assert sorted(rows) == [3 * p, 3 * p + 1, 3 * p + 2], name  # this process's device only
+            for row, value in rows.items():
+                np.testing.assert_array_equal(value, saved[name][source[row]], err_msg=f"{name} row {row}")
+        # Only the files holding this process's rows were opened.
+        assert (
+            result["opened"]
+            == {
+                0: ["part-00000.npz", "walkers.npz"],
+                1: ["part-00000.npz", "part-00001.npz", "walkers.npz"],
+                2: ["part-00001.npz", "walkers.npz"],
+                3: ["part-00000.npz", "part-00001.npz", "walkers.npz"],
+            }[p]
+        )
+        # Elastic restore onto fewer walkers: the first six, 2 per device.
+        fewer = result["fewer"]
+        assert fewer["n_valid"] == 6
+        assert fewer["metadata"][sv.RESIZED] == {
+            "saved": 10, "restored": 6, "duplicated": 0, "dropped": 4, "needs_burn_in": False,
+        }  # fmt: skip
+        rows = _rows(fewer["local"], "r")
+        assert sorted(rows) == [2 * p, 2 * p + 1]
+        for row, value in rows.items():
+            np.testing.assert_array_equal(value, saved["r"][row if row < 6 else 0])
+
+
+def _committed(directory: Path) -> Path:
+    """The data directory the manifest names (the killed save left another one beside it)."""
+    with np.load(directory / "walkers.npz", allow_pickle=False) as data:
+        return directory / json.loads(bytes(data["__shardvmc__"]).decode())["data"]
+
+
+def _without_part_1(directory: Path) -> None:
+    (_committed(directory) / "part-00001.npz").unlink()
+
+
+def _truncate_part_0(directory: Path) -> None:
+    part = _committed(directory) / "part-00000.npz"
+    part.write_bytes(part.read_bytes()[:300])
+
+
+def _manifest_pointing_elsewhere(directory: Path) -> None:
+    path = directory / "walkers.npz"
+    with np.load(path, allow_pickle=False) as data:
+        arrays = {name: data[name] for name in data.files}
+    header = json.loads(bytes(arrays["__shardvmc__"]).decode())
+    header["data"] = "../elsewhere.d-0123456789abcdef"
+    arrays["__shardvmc__"] = np.frombuffer(json.dumps(header).encode(), np.uint8)
+    np.savez(path, **arrays)
+
+
+@pytest.mark.parametrize(
+    ("damage", "excerpt"),
+    [
+        (_without_part_1, r"names the part file '.*part-00001\.npz', which is missing"),
+        (_truncate_part_0, r"part-00000\.npz' is truncated or corrupted"),
+        (_manifest_pointing_elsewhere, "has a malformed header"),
+    ],
+    ids=["missing-part", "truncated-part", "data-outside"],
+)
+def test_damaged_multi_process_checkpoints(
+    saved_by_two_processes: tuple[Path, list[dict], str], tmp_path: Path, damage: Any, excerpt: str
+) -> None:
+    directory, _, _ = saved_by_two_processes
+    copy = tmp_path / "copy"
+    shutil.copytree(directory, copy)
+    damage(copy)
+    with pytest.raises(sv.CallError, match=excerpt):
+        sv.load_walkers(copy / "walkers.npz", mp_worker.like(), sv.create_mesh(jax.devices()[:2]))
+
+
+def test_a_save_removes_the_data_directories_it_replaced(
+    saved_by_two_processes: tuple[Path, list[dict], str], tmp_path: Path
+) -> None:
+    """Saving over a multi-process checkpoint removes its data directory and one left by a killed save."""
+    directory, _, _ = saved_by_two_processes
+    copy = tmp_path / "copy"
+    shutil.copytree(directory, copy)
+    (copy / "walkers.npz.d-notours").mkdir()  # not a name save_walkers writes: kept
+    assert len(list(copy.glob("walkers.npz.d-*"))) == 3  # committed, uncommitted (killed), not ours
+    ck = sv.load_walkers(copy / "walkers.npz", mp_worker.like(), sv.create_mesh(jax.devices()[:2]))
+    sv.save_walkers(copy / "walkers.npz", ck.walkers, metadata={"version": 3})
+    assert [p.name for p in copy.glob("walkers.npz.d-*")] == ["walkers.npz.d-notours"]
+    assert sv.load_walkers(copy / "walkers.npz", mp_worker.like()).metadata == {"version": 3}

@@ -22,7 +22,8 @@ def test_parameter_without_marker():
     def energy(params: Replicated, r):
         return r
 
-    text = raises(sv.DecorationError, sv.walker_parallel, energy)
+    kernel = sv.walker_parallel(energy)  # reported at the first call: a replicated_args above may still name it
+    text = raises(sv.DecorationError, kernel, 1.0, jnp.ones((8, 2)))
     assert "test_parameter_without_marker.<locals>.energy" in text
     assert "parameter 'r' has no shardvmc marker" in text
     assert "PerWalker[jax.Array]" in text and "replicated_args" in text
@@ -32,8 +33,15 @@ def test_decoration_error_is_raised_when_decorating():
     with pytest.raises(sv.DecorationError):
 
         @sv.walker_parallel
-        def f(r):
+        def f(r: Mean):
             return r
+
+    @sv.walker_parallel
+    def g(r):
+        return r
+
+    with pytest.raises(sv.DecorationError, match="no shardvmc marker"):  # a missing marker: at the first call
+        g.lower(jnp.ones(8))
 
 
 def test_mean_on_a_parameter():
@@ -53,11 +61,16 @@ def test_walker_key_on_a_return():
 
 
 def test_marker_inside_tuple_return_checked():
-    def f(r: PerWalker) -> tuple[PerWalker, Replicated]:
+    def f(r: PerWalker) -> tuple[PerWalker, WalkerKey]:
         return r, r
 
     text = raises(sv.DecorationError, sv.walker_parallel, f)
-    assert "element 1 of the return annotation is marked Replicated" in text
+    assert "element 1 of the return annotation is marked WalkerKey" in text
+
+    def g(r: PerWalker) -> tuple[PerWalker, Replicated]:
+        return r, r
+
+    assert "only a batched=True function" in raises(sv.DecorationError, sv.walker_parallel, g)
 
 
 def test_two_markers_on_one_parameter():
@@ -98,17 +111,18 @@ def test_replicated_args_unknown_name():
     assert "'parms'" in text and "not parameters" in text
 
 
-def test_replicated_args_pending_defers_missing_marker_error_to_first_call():
-    """A replicated_args decorator created but never applied lets the error wait for the first call."""
-    pending = sv.replicated_args("params")
+def test_missing_marker_error_waits_for_the_first_call_without_global_state():
+    """Nothing global decides: one replicated_args object stays usable; an unmarked kernel fails when called."""
+    shared = sv.replicated_args("params")
 
     @sv.walker_parallel
     def f(params, r):
         return r
 
-    del pending
     with pytest.raises(sv.DecorationError, match="no shardvmc marker"):
         f(1.0, jnp.ones((8, 2)))
+    assert shared(f)(1.0, jnp.ones((8, 2))).shape == (8, 2)
+    assert shared(f.__wrapped__) is not shared(f.__wrapped__)
 
 
 # ------------------------------------------------------------ call time

@@ -49,10 +49,11 @@ def test_explicit_mesh_passed_directly():
 
 def test_a_mesh_option_inside_another_jax_mesh_context():
     mine = sv.create_mesh(jax.devices()[:2])
+    alpha = jnp.float32(0.5)  # made outside: under an Explicit jax.set_mesh, new arrays live on that mesh
     with jax.set_mesh(jax.make_mesh((8,), ("walkers",))):
-        out = sv.walker_parallel(energy, mesh=mine)(jnp.float32(0.5), R)
+        out = sv.walker_parallel(energy, mesh=mine)(alpha, R)
         with sv.use_mesh(sv.create_mesh(jax.devices()[:4])):
-            out4 = sv.walker_parallel(energy)(jnp.float32(0.5), R)
+            out4 = sv.walker_parallel(energy)(alpha, R)
     assert len(out[0].sharding.device_set) == 2 and len(out4[0].sharding.device_set) == 4
     check(out, mine)
 

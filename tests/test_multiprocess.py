@@ -13,6 +13,7 @@ import importlib.util
 import io
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -27,6 +28,7 @@ import pytest
 
 import shardvmc as sv
 from shardvmc import distributed, launch
+from shardvmc.testing import CPU_SCHEDULER_FLAG
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "mp_worker.py"
@@ -330,23 +332,114 @@ def test_a_crashing_process_ends_the_run_promptly(runs):
     assert runs["crash"].ended - crashed_at < 30, output
 
 
-def _launch_quietly(command: list[str], processes: int, timeout: float | None = None) -> tuple[int, str, str]:
+def _launch_quietly(
+    command: list[str], processes: int, timeout: float | None = None, grace: float = 0.5
+) -> tuple[int, str, str]:
     out, err = io.StringIO(), io.StringIO()
-    code = launch.launch(command, processes, timeout=timeout, env=_clean_env(), stdout=out, stderr=err)
+    code = launch.launch(command, processes, timeout=timeout, grace=grace, env=_clean_env(), stdout=out, stderr=err)
     return code, out.getvalue(), err.getvalue()
 
 
+# A launched process that ignores SIGTERM, as does a child it starts in its group; process 1
+# exits with code 5 when asked to. Only SIGKILL to the whole group ends them.
+STUBBORN = (
+    "import os, signal, subprocess, sys, time\n"
+    "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+    "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"  # inherits SIG_IGN
+    "pid = int(os.environ['SHARDVMC_PROCESS_ID'])\n"
+    "print('hello from', pid, 'of', os.environ['SHARDVMC_NUM_PROCESSES'], flush=True)\n"
+    "print('group', os.getpgid(0), 'child', child.pid, flush=True)\n"
+    "sys.exit(5) if pid == 1 and sys.argv[1:] == ['fail'] else time.sleep(600)\n"
+)
+
+
+def _groups(output: str) -> list[int]:
+    """The process groups the stubborn processes reported (one per process)."""
+    return [int(line.split()[2]) for line in output.splitlines() if line.split()[1:2] == ["group"]]
+
+
+def _group_gone(pgid: int) -> bool:
+    """No live (non-zombie) process is left in group ``pgid`` (zombies wait for init to reap them)."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return True
+        members = []
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                members.append(stat.parent.name)
+        if not members:
+            return True
+        time.sleep(0.05)
+    return False
+
+
 def test_launcher_exit_code_and_prefixes_without_jax():
-    script = (
-        "import os, sys, time\n"
-        "pid = int(os.environ['SHARDVMC_PROCESS_ID'])\n"
-        "print('hello from', pid, 'of', os.environ['SHARDVMC_NUM_PROCESSES'], flush=True)\n"
-        "time.sleep(600) if pid == 0 else sys.exit(5)\n"
-    )
-    code, out, err = _launch_quietly([sys.executable, "-c", script], 2)
+    code, out, err = _launch_quietly([sys.executable, "-c", STUBBORN, "fail"], 2)
     assert code == 5
-    assert sorted(out.splitlines()) == ["[0] hello from 0 of 2", "[1] hello from 1 of 2"]
+    lines = sorted(line for line in out.splitlines() if "hello" in line)
+    assert lines == ["[0] hello from 0 of 2", "[1] hello from 1 of 2"]
     assert "process 1 exited with code 5; stopping the others" in err
+    groups = _groups(out)
+    assert len(groups) == 2
+    # Process 0 ignored SIGTERM and the child of process 1 outlived it: SIGKILL to the groups ended all.
+    assert all(_group_gone(pgid) for pgid in groups), out
+
+
+@pytest.mark.parametrize(
+    ("sig", "when"),
+    [(signal.SIGINT, "running"), (signal.SIGTERM, "running"), (signal.SIGINT, "stopping")],
+    ids=["SIGINT", "SIGTERM", "SIGINT-during-grace"],
+)
+def test_an_interrupted_launcher_leaves_no_process_behind(sig, when):
+    """Interrupted while the processes run, or during the grace period after a failure (then a long one)."""
+    grace, fail = ("0.5", []) if when == "running" else ("120", ["fail"])
+    command = [sys.executable, "-m", "shardvmc.launch", "-n", "2", "--grace", grace, "--"]
+    command += [sys.executable, "-c", STUBBORN, *fail]
+    proc = subprocess.Popen(
+        command, cwd=ROOT, env=_clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout is not None and proc.stderr is not None
+        lines: list[str] = []
+        while len(_groups("".join(lines))) < 2:  # both processes and their children are running
+            line = proc.stdout.readline()
+            assert line, f"the launcher ended early: {proc.wait()}"
+            lines.append(line)
+        if when == "stopping":  # process 1 failed: the launcher is waiting out the grace period
+            assert "process 1 exited with code 5; stopping the others" in proc.stderr.readline()
+        proc.send_signal(sig)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + sig, err
+    assert f"got {sig.name}; stopped every process" in err
+    assert all(_group_gone(pgid) for pgid in _groups("".join(lines))), lines
+
+
+def test_an_uncaught_exception_after_initialize_ends_the_run_promptly():
+    """The failing process skips JAX's shutdown barrier (5 minutes), so the launcher sees it and stops process 0."""
+    script = (
+        "import time\n"
+        "import shardvmc as sv\n"
+        "sv.distributed.initialize()\n"
+        "import jax\n"
+        "if jax.process_index() == 1:\n"
+        "    raise RuntimeError('process 1 fails')\n"
+        "time.sleep(600)\n"
+    )
+    started = time.monotonic()
+    code, out, err = _launch_quietly([sys.executable, "-c", script], 2, timeout=WAIT_S)
+    assert code == 1, out + err
+    assert "[1] RuntimeError: process 1 fails" in out
+    assert "process 1 exited with code 1; stopping the others" in err
+    assert time.monotonic() - started < 30, out + err  # a hang guard, not a benchmark
 
 
 def test_launcher_timeout():
@@ -360,14 +453,19 @@ def test_launcher_environment_is_loopback_only():
     assert env["SHARDVMC_COORDINATOR_ADDRESS"] == "127.0.0.1:5555"
     assert env["JAX_COORDINATOR_BIND_ADDRESS"] == "127.0.0.1:5555"  # not JAX's default of every interface
     assert (env["SHARDVMC_NUM_PROCESSES"], env["SHARDVMC_PROCESS_ID"]) == ("3", "2")
-    assert env["XLA_FLAGS"] == "--foo --xla_force_host_platform_device_count=2"
+    assert env["XLA_FLAGS"] == "--foo --xla_force_host_platform_device_count=2 " + CPU_SCHEDULER_FLAG
     assert env["JAX_PLATFORMS"] == "cpu"
     assert "JAX_PLATFORMS" not in launch.process_env({}, "127.0.0.1:5555", 2, 0)
 
 
 @pytest.mark.parametrize(
     "argv",
-    [["--processes", "2"], ["--processes", "0", "--", "true"], ["--processes", "2", "--devices-per-process", "0"]],
+    [
+        ["--processes", "2"],
+        ["--processes", "0", "--", "true"],
+        ["--processes", "2", "--devices-per-process", "0"],
+        ["--processes", "2", "--grace", "-1", "--", "true"],
+    ],
 )
 def test_launcher_rejects_bad_command_lines(argv, capsys):
     with pytest.raises(SystemExit) as exc:

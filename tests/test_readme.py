@@ -5,6 +5,8 @@ import re
 
 from jax.sharding import PartitionSpec as P
 
+import shardvmc as sv
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
@@ -31,5 +33,7 @@ def test_readme_example_runs_and_stays_sharded():
     namespace = {}
     exec(compile(code, "README.md", "exec"), namespace)
     walkers = namespace["walkers"]
+    assert isinstance(walkers, sv.WalkerSet) and walkers.n_valid == 4096
+    walkers = walkers.data
     assert walkers.shape == (4096, 2, 3)
     assert walkers.sharding.spec == P("walkers") and walkers.sharding.mesh.devices.size == 8

@@ -64,7 +64,7 @@ def test_one_local_product_and_one_all_reduce():
 
 
 def test_errors():
-    with pytest.raises(sv.CallError, match="different numbers of walkers"):
+    with pytest.raises(sv.CallError, match="different walker counts"):
         sv.jtv(jnp.ones((8, 2)), jnp.ones(6))
     with pytest.raises(sv.CallError, match="n_valid=9 is outside 1..8"):
         sv.walker_mean(jnp.ones(8), 9)

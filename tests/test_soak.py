@@ -89,6 +89,7 @@ def test_mcmc_loop_compiles_once_and_memory_stays_flat() -> None:
     growth = rss_at_end - rss_at_warmup
     assert growth < RSS_GROWTH_BOUND, f"resident memory grew by {growth / 2**20:.1f} MiB over {STEPS - WARMUP} steps"
     # The chain did something sensible: walkers stay sharded and finite, moves are accepted.
-    assert r.sharding.spec == jax.sharding.PartitionSpec("walkers") and r.shape == (N_WALKERS, 2, 3)
+    assert isinstance(r, sv.WalkerSet) and r.n_valid == N_WALKERS
+    assert r.data.sharding.spec == jax.sharding.PartitionSpec("walkers") and r.data.shape == (N_WALKERS, 2, 3)
     assert np.isfinite(np.asarray(r)).all()
     assert 0.05 < float(np.mean(rates)) < 0.95

@@ -179,7 +179,9 @@ def init_walker(key):
 @pytest.mark.parametrize("n", [12, 10, 1])
 def test_initialize_walkers_sharded_is_device_count_invariant(mesh, n):
     key = jax.random.key(42)
-    out = sv.initialize_walkers_sharded(init_walker, n, mesh, key=key)
+    walker_set = sv.initialize_walkers_sharded(init_walker, n, mesh, key=key)
+    assert isinstance(walker_set, sv.WalkerSet) and walker_set.n_valid == n
+    out = walker_set.data
     d = mesh.devices.size
     assert out["r"].shape[0] == sv.pad_n_walkers(n, d)
     assert out["r"].sharding.spec == WALKER and out["r"].sharding.mesh == mesh
@@ -190,7 +192,7 @@ def test_initialize_walkers_sharded_is_device_count_invariant(mesh, n):
 
 def test_initialize_walkers_sharded_raw_key_and_no_global_materialisation():
     mesh = sv.create_mesh(jax.devices()[:4])
-    out = sv.initialize_walkers_sharded(lambda k: jax.random.uniform(k, (3,)), 8, mesh, key=jax.random.PRNGKey(1))
+    out = sv.initialize_walkers_sharded(lambda k: jax.random.uniform(k, (3,)), 8, mesh, key=jax.random.PRNGKey(1)).data
     ref = jax.vmap(lambda i: jax.random.uniform(jax.random.fold_in(jax.random.PRNGKey(1), i), (3,)))(jnp.arange(8))
     np.testing.assert_array_equal(out, ref)
     assert {s.data.shape for s in out.addressable_shards} == {(2, 3)}
@@ -198,7 +200,9 @@ def test_initialize_walkers_sharded_raw_key_and_no_global_materialisation():
 
 def test_initialize_walkers_from_host_walkers(mesh):
     host = walkers(7)
-    out = sv.initialize_walkers_sharded(None, 7, mesh, initial_walkers=host)
+    walker_set = sv.initialize_walkers_sharded(None, 7, mesh, initial_walkers=host)
+    assert walker_set.n_valid == 7
+    out = walker_set.data
     assert out["r"].shape[0] == sv.pad_n_walkers(7, mesh.devices.size)
     np.testing.assert_array_equal(np.asarray(out["r"])[:7], host["r"])
     assert out["r"].sharding.spec == WALKER

@@ -26,7 +26,7 @@ def test_shard_vmap_matches_vmap_and_stays_sharded(mesh, n):
 
 
 def test_per_walker_gradient_wrt_replicated_is_not_summed_over_devices(mesh):
-    """The check_vma trap: without a cast to varying, this comes out summed over devices."""
+    """The check_vma trap: under check_vma=True without a cast to varying, this comes out summed over devices."""
     r = positions(24)
     jac = sv.shard_vmap(per_walker_grad, mesh, in_axes=(None, 0))(PARAMS, r)
     ref = jax.vmap(per_walker_grad, (None, 0))(PARAMS, r)
@@ -35,11 +35,17 @@ def test_per_walker_gradient_wrt_replicated_is_not_summed_over_devices(mesh):
         assert jac[k].sharding.spec == P("walkers")
 
 
-def test_the_trap_is_real_without_the_cast():
-    """Guard for the test above: a hand-written shard_map without pcast gets it wrong on 8 devices."""
+def test_the_trap_is_real_under_check_vma():
+    """Guard for the test above: a hand-written check_vma=True shard_map without pcast gets it wrong on 8 devices."""
     mesh = sv.create_mesh()
     r = positions(24)
-    naive = sv.shard_map_wrap(jax.vmap(per_walker_grad, (None, 0)), mesh, (P(), P("walkers")), P("walkers"))
+    naive = jax.shard_map(
+        jax.vmap(per_walker_grad, (None, 0)),
+        mesh=mesh,
+        in_specs=(P(), P("walkers")),
+        out_specs=P("walkers"),
+        check_vma=True,
+    )
     wrong = naive(PARAMS, r)
     ref = jax.vmap(per_walker_grad, (None, 0))(PARAMS, r)
     assert not np.allclose(wrong["alpha"], ref["alpha"], rtol=1e-3)
@@ -90,11 +96,24 @@ def test_get_vmap_fn_selection():
     assert out.sharding.mesh.devices.size == 8
 
 
-def test_shard_map_wrap_keeps_vma_checking():
+def test_shard_map_wrap_follows_the_engine_rule():
+    """Code that check_vma=True breaks (folx over a jnp.eye mask; per-walker grads of P() inputs) runs and is right."""
     mesh = sv.create_mesh()
-    f = sv.shard_map_wrap(lambda x: x.sum(), mesh, P("walkers"), P())
-    with pytest.raises(ValueError):  # check_vma rejects a varying value declared replicated
-        f(jnp.ones(8))
+    r = positions(24)
+
+    def laplacian(params, r):
+        def f(x):
+            x = x.reshape(2, 3)
+            ee = x[:, None] - x[None]
+            d = jnp.linalg.norm(ee + jnp.eye(2)[..., None], axis=-1) * (1.0 - jnp.eye(2))
+            return log_psi(params, x) + jnp.sum(d)
+
+        return folx.forward_laplacian(f)(r.reshape(-1)).laplacian
+
+    f = sv.shard_map_wrap(jax.vmap(laplacian, (None, 0)), mesh, (P(), P("walkers")), P("walkers"))
+    np.testing.assert_allclose(f(PARAMS, r), jax.vmap(laplacian, (None, 0))(PARAMS, r), rtol=1e-5)
+    own = sv.shard_map_wrap(jax.vmap(per_walker_grad, (None, 0)), mesh, (P(), P("walkers")), P("walkers"))(PARAMS, r)
+    np.testing.assert_allclose(own["alpha"], jax.vmap(per_walker_grad, (None, 0))(PARAMS, r)["alpha"], rtol=1e-5)
 
 
 def test_functional_kernels_nest_inside_decorated_bodies():
