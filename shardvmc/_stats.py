@@ -20,7 +20,18 @@ import jax.numpy as jnp
 
 from ._errors import CallError, message
 
-__all__ = ["Body", "all_walkers", "body_context", "current_body", "masked", "mean_of", "reduce_blocks", "row_sum"]
+__all__ = [
+    "Body",
+    "all_walkers",
+    "body_context",
+    "current_body",
+    "local_indices",
+    "masked",
+    "mean_of",
+    "reduce_blocks",
+    "rmatvec",
+    "row_sum",
+]
 
 Mode = Literal["walker", "block", "chunk"]
 
@@ -35,7 +46,7 @@ class Body:
             ``"chunk"`` (``batch_size=``: chunks that cannot see each other).
         axes: the axes to sum over: the named vmap axis (walker mode) and the mesh axes.
         valid: whether this walker is valid (walker mode, a scalar) or which rows of the
-            block are (block mode, a vector).
+            block are (block mode, a vector); ``None`` when every walker is (no padding).
         count: the number of valid walkers of all devices.
     """
 
@@ -61,6 +72,20 @@ def body_context(body: Body) -> Iterator[None]:
         yield
     finally:
         _BODY.reset(token)
+
+
+def local_indices(axes: str | tuple[str, ...], n_local: int) -> jax.Array:
+    """Inside ``shard_map``: the global walker indices of this device's ``n_local`` walkers.
+
+    Walker ``j`` of the device at position ``d`` along ``axes`` is walker ``d * n_local + j``;
+    it is valid when that index is below the valid count.
+    """
+    return jax.lax.axis_index(axes) * n_local + jnp.arange(n_local)
+
+
+def rmatvec(jac: jax.Array, v: jax.Array) -> jax.Array:
+    """``jac^H v`` without forming the conjugate transpose of ``jac`` (no copy of the rows)."""
+    return jnp.conj(jnp.conj(v) @ jac)
 
 
 def masked(x: jax.Array, mask: jax.Array | None) -> jax.Array:
