@@ -7,8 +7,7 @@ per-walker local energies, their ``Mean`` and per-walker ``d log|psi| / d params
 ``jax.vmap`` reference to ``rtol=1e-10`` in float64 on meshes of 1, 3 and 8 devices, with 13
 walkers (padded inside the kernel), with the functions written both ways users write them
 (annotated, and unmodified through ``replicated_args("params")``); once in float32 on a padded
-set (against the float64 reference), and once with folx in ``batch_size`` chunks. Sparse folx is
-checked on one device only (its sharded compile costs more than the whole rest of a case).
+set (against the float64 reference), and once with sparse-Jacobian folx in ``batch_size`` chunks.
 
 float64 runs inside ``jax.enable_x64(True)`` contexts only, so the setting never leaks. Every
 network, walker set, reference and kernel is built once per session (compile time dominates).
@@ -293,14 +292,16 @@ def test_float32_unmodified_local_energy_on_a_padded_set() -> None:
     assert_close(energy[:N_WALKERS], reference("ferminet", "fori", F64)["energy"], 2e-4)
 
 
-def test_unmodified_folx_local_energy_in_batch_size_chunks() -> None:
-    """FermiNet's folx local energy, unmodified, with a device's 5 walkers in chunks of 2 (2 + 2 + 1).
+def test_unmodified_sparse_folx_local_energy_in_batch_size_chunks() -> None:
+    """FermiNet's sparse-Jacobian folx local energy, unmodified, a device's 5 walkers in chunks of 2 (2 + 2 + 1).
 
+    The user's folx failure: with ``check_vma`` on, folx re-evaluated the ``pvary`` JAX put at
+    ``jnp.eye(n)`` in the electron-electron distances outside ``shard_map`` and called ``exit()``.
     One mesh only: a chunked kernel compiles the chunk body and the remainder's.
     """
     params, walkers = inputs("ferminet", F64)
-    local_energy = hamiltonian.make_local_energy(MODELS["ferminet"].log_psi, LI, "folx")
+    local_energy = hamiltonian.make_local_energy(MODELS["ferminet"].log_psi, LI, "folx_sparse")
     energy_all = sv.walker_parallel(batch_size=2)(sv.replicated_args("params")(local_energy))
     with x64(F64), sv.use_mesh(sv.create_mesh(jax.devices()[:3])), padding_expected(3):
         energy = energy_all(params, walkers)
-    assert_close(energy, reference("ferminet", "folx", F64)["energy"], RTOL)
+    assert_close(energy, reference("ferminet", "folx_sparse", F64)["energy"], RTOL)
