@@ -5,18 +5,18 @@ backend, for the tests and for the doctests of the package alike.
 
 XLA's CPU runtime (jaxlib 0.10.2) can deadlock on larger programs: every thread idles
 on a futex and the call never returns, e.g. on the second call of a step that holds a
-folx local energy, a per-walker Jacobian and a linear solve. Turning off the
-concurrency-optimised scheduler removes it (measured); the suite must never hang.
+folx local energy, a per-walker Jacobian and a linear solve. ``set_cpu_devices`` also
+turns off the concurrency-optimised scheduler, which removes it (measured): the suite
+must never hang.
 """
 
 import os
 
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "")
-    + " --xla_force_host_platform_device_count=8"
-    + " --xla_cpu_enable_concurrency_optimized_scheduler=false"
-).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+from shardvmc.testing import set_cpu_devices  # noqa: E402  (imports jax, starts no backend)
+
+set_cpu_devices(8)
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

@@ -29,6 +29,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from shardvmc.testing import CPU_SCHEDULER_FLAG
+
 ROOT = Path(__file__).resolve().parents[1]
 SIZES = (1_000, 100_000, 1_000_000)  # float32 elements: 4 kB, 400 kB, 4 MB
 DEVICE_COUNTS = (1, 2, 4, 8)
@@ -187,7 +189,7 @@ def measure(reps: int) -> dict[str, float]:
 def _env(devices: int) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SHARDVMC_")}
     flags = " ".join(f for f in env.get("XLA_FLAGS", "").split() if "device_count" not in f)
-    flags += " --xla_cpu_enable_concurrency_optimized_scheduler=false"
+    flags += f" {CPU_SCHEDULER_FLAG}"
     env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={devices}".strip()
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH", "")]))

@@ -57,28 +57,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def set_flags(n_devices: int) -> None:
-    """Before JAX starts: the fake device count, and the CPU scheduler flag.
-
-    XLA's concurrency-optimised CPU scheduler (jaxlib 0.10.2) can deadlock larger
-    programs with collectives (every thread idle on a futex); the root conftest.py turns
-    it off for the tests for the same reason.
-    """
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_force_host_platform_device_count" not in flags:
-        flags += f" --xla_force_host_platform_device_count={n_devices}"
-    if "xla_cpu_enable_concurrency_optimized_scheduler" not in flags:
-        flags += " --xla_cpu_enable_concurrency_optimized_scheduler=false"
-    os.environ["XLA_FLAGS"] = flags.strip()
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    set_flags(args.devices)
     here = os.path.dirname(os.path.abspath(__file__))
     sys.path[:0] = [here, os.path.dirname(here)]  # the harness, and this checkout's shardvmc
-    import harness  # JAX may start only after the flags are set
+    from shardvmc.testing import set_cpu_devices
+
+    # Before JAX starts: the fake devices, and the flag that turns off XLA's concurrency-optimised
+    # CPU scheduler, which deadlocks larger programs with collectives (shardvmc.testing.CPU_SCHEDULER_FLAG).
+    set_cpu_devices(args.devices)
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import harness
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -181,6 +170,11 @@ def main(argv: list[str] | None = None) -> int:
         for name in ("minsr", "cg"):
             diff = np.abs(np.asarray(fns[name](j, e), np.float64) - base).max() / np.abs(base).max()
             facts[f"max rel diff {name} vs replicated, N={n_time}, P={p}"] = float(diff)
+        cg_info = sv.natural_gradient(j, e, damping=damping, method="cg", memory_budget=huge, mesh=mesh, maxiter=100)[1]
+        facts[f"cg iterations, relative residual, N={n_time}, P={p}"] = (
+            int(cg_info.iterations),
+            float(cg_info.residual),
+        )
         times = harness.interleaved({k: (lambda f=f: f(j, e)) for k, f in fns.items()}, args.reps)
         for name in ("minsr", "cg"):
             report.row(
@@ -194,8 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     print("Ratios: median over repetitions of time(first) / time(second), [25%, 75%] quartiles.")
     print(report.table())
     for key, value in facts.items():
-        if key.startswith("max rel diff"):
-            print(f"{key}: {value:.2e}")
+        if key.startswith(("max rel diff", "cg iterations")):
+            print(f"{key}: {value}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"machine": info, "config": vars(args), "rows": report.rows, "facts": facts}, f, default=str)

@@ -22,6 +22,8 @@ import sys
 import time
 from typing import Any
 
+from shardvmc.testing import set_cpu_devices  # imports jax; starts no backend
+
 QUICK = {
     "system": "he",
     "walkers": 64,
@@ -33,14 +35,8 @@ QUICK = {
     "loop_walkers": 64,
     "loop_steps": 20,
     "energy_every": 5,
+    "ferminet_walkers": 16,
 }
-
-
-def set_cpu_devices(n: int) -> None:
-    """Ask XLA for ``n`` fake CPU devices unless a device count is already set; call before JAX starts."""
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_force_host_platform_device_count" not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -60,6 +56,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ("loop-walkers", 2048, "walker slots of section 7 (one of them padding)"),
         ("loop-steps", 200, "Metropolis steps of section 7"),
         ("energy-every", 10, "steps between energy evaluations in section 7"),
+        ("ferminet-walkers", 512, "walkers of the FermiNet-style row of section 1"),
     )
     for name, default, what in sizes:
         quick = QUICK[name.replace("-", "_")]
@@ -76,7 +73,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     set_cpu_devices(args.devices)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    here = os.path.dirname(os.path.abspath(__file__))
+    sys.path.insert(0, here)
+    sys.path.insert(1, os.path.join(os.path.dirname(here), "tests"))  # the model corpus, tests/models
     import sections  # imported here: JAX may start only after the device count is set
     import system
 
@@ -97,7 +96,10 @@ def main(argv: list[str] | None = None) -> int:
         loop_walkers=args.loop_walkers,
         loop_steps=args.loop_steps,
         energy_every=args.energy_every,
+        ferminet_walkers=args.ferminet_walkers,
     )
+    if args.quick:
+        cfg.ferminet_sizes = {"hidden_one": 8, "hidden_two": 4, "layers": 1, "determinants": 2}
     only = {int(s) for s in args.only.split(",") if s.strip()} or set(sections.SECTIONS)
     info: dict[str, Any] = sections.machine()
     info["system"] = chosen.name

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -41,6 +40,7 @@ from jax.flatten_util import ravel_pytree
 from jax.sharding import Mesh
 
 import shardvmc as sv
+import shardvmc.testing
 
 EXACT = -2.903724
 """The exact non-relativistic ground-state energy of helium, in Hartree."""
@@ -393,21 +393,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def request_cpu_devices(n: int) -> None:
-    """Ask XLA for ``n`` host devices, unless ``XLA_FLAGS`` already sets a count.
-
-    Must run before JAX starts its backend (importing jax does not start it).
-    """
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "--xla_force_host_platform_device_count" not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
-
-
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Run the example from the command line; returns the summary."""
     # --8<-- [start:main]
     args = parse_args(argv)
-    request_cpu_devices(args.devices)
+    # n fake CPU devices (unless XLA_FLAGS sets a count) and the workaround of an XLA CPU deadlock on larger
+    # programs; before JAX starts its backend (importing jax does not start it).
+    sv.testing.set_cpu_devices(args.devices)
     if sv.distributed.is_launched():  # started by `python -m shardvmc.launch`: join the other processes
         sv.distributed.initialize()
     # --8<-- [end:main]

@@ -343,22 +343,22 @@ def _largest_fitting_chunk(
 
     if needs(None) <= budget:
         return tried[None][0], None
-    lo, hi = 0, len(candidates) - 1  # candidates[hi] does not fit
-    if needs(candidates[0]) > budget:
+    lo, hi = -1, len(candidates) - 1  # candidates[lo] fits (-1: none known yet); candidates[hi] does not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if needs(candidates[mid]) <= budget else (lo, mid)
+    if lo < 0:
         raise CallError(
             message(
                 kernel._qualname,
                 "batch_size='auto' found no chunk that fits the per-device memory budget: even one walker at a time "
                 "needs more.",
-                got=f"{format_bytes(needs(candidates[0]))} per device for batch_size=1, "
+                got=f"{format_bytes(needs(candidates[0]))} per device for batch_size={candidates[0]}, "
                 f"{format_bytes(needs(None))} for all {per_device} walkers of a device at once",
                 expected=f"at most {format_bytes(budget)} per device (memory_budget)",
                 fix="spread the walkers over more devices, shrink the per-walker work, or raise memory_budget=.",
             )
         )
-    while hi - lo > 1:  # candidates[lo] fits, candidates[hi] does not
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if needs(candidates[mid]) <= budget else (lo, mid)
     return tried[candidates[lo]][0], candidates[lo]
 
 

@@ -25,6 +25,7 @@ from . import _compat
 from ._errors import CallError, message
 from ._kernel import inside_kernel, signature_of, spec
 from ._markers import Kind
+from ._memory import compiled_memory, format_bytes
 from ._placement import pad_n_walkers
 
 if TYPE_CHECKING:
@@ -116,7 +117,7 @@ class Explanation:
         unexpected: the collectives no marker asked for (all-gathers, all-to-alls).
         cause: the likely cause of ``unexpected`` (``None`` when there are none).
         fix: how to remove them (``None`` when there are none).
-        argument_bytes: per-device bytes of the arguments (``None``: not reported).
+        argument_bytes: per-device bytes of the arguments (0 where the backend does not say).
         output_bytes: per-device bytes of the outputs.
         temp_bytes: per-device bytes of temporaries.
         generated_code_bytes: bytes of generated code.
@@ -140,10 +141,10 @@ class Explanation:
     unexpected: dict[str, int]
     cause: str | None
     fix: str | None
-    argument_bytes: int | None
-    output_bytes: int | None
-    temp_bytes: int | None
-    generated_code_bytes: int | None
+    argument_bytes: int
+    output_bytes: int
+    temp_bytes: int
+    generated_code_bytes: int
 
     @property
     def chunking(self) -> str:
@@ -191,12 +192,8 @@ class Explanation:
             ("temporaries", self.temp_bytes),
             ("generated code", self.generated_code_bytes),
         )
-        lines.append("  memory/device: " + ", ".join(f"{label} {_bytes(b)}" for label, b in memory))
+        lines.append("  memory/device: " + ", ".join(f"{label} {format_bytes(b)}" for label, b in memory))
         return "\n".join(lines)
-
-
-def _bytes(n: int | None) -> str:
-    return "n/a" if n is None else f"{n} B"
 
 
 def _table(entries: tuple[Entry, ...]) -> list[str]:
@@ -279,16 +276,6 @@ def _outputs(kernel: WalkerParallel, out_info: Any, pads_inside: bool) -> tuple[
             shape, dtype = _dtype(leaf)
             entries.append(Entry(name, jax.tree_util.keystr(path), kind.value, layout, shape, dtype))
     return tuple(entries)
-
-
-def _memory(compiled: jax.stages.Compiled) -> tuple[int | None, int | None, int | None, int | None]:
-    try:
-        stats = compiled.memory_analysis()
-    except Exception:  # a backend without the analysis may raise anything
-        stats = None
-    fields = ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes", "generated_code_size_in_bytes")
-    values = [getattr(stats, f, None) if stats is not None else None for f in fields]
-    return tuple(None if v is None else int(v) for v in values)  # type: ignore[return-value]
 
 
 def _cause(kernel: WalkerParallel, mesh: Mesh, dyn: tuple[Any, ...], n: int, size: int) -> tuple[str, str]:
@@ -391,7 +378,7 @@ def explain(kernel: WalkerParallel, args: tuple[Any, ...], kwargs: dict[str, Any
         out_info = lowered.out_info
     except Exception:  # older JAX: no out_info; the outputs are then not listed
         out_info = None
-    argument_bytes, output_bytes, temp_bytes, code_bytes = _memory(compiled)
+    memory = compiled_memory(compiled)
     explanation = Explanation(
         kernel=kernel._qualname,
         mesh_shape={str(k): int(v) for k, v in mesh.shape.items()},
@@ -413,10 +400,10 @@ def explain(kernel: WalkerParallel, args: tuple[Any, ...], kwargs: dict[str, Any
         unexpected=unexpected,
         cause=cause,
         fix=fix,
-        argument_bytes=argument_bytes,
-        output_bytes=output_bytes,
-        temp_bytes=temp_bytes,
-        generated_code_bytes=code_bytes,
+        argument_bytes=memory.argument_bytes,
+        output_bytes=memory.output_bytes,
+        temp_bytes=memory.temp_bytes,
+        generated_code_bytes=memory.code_bytes,
     )
     if unexpected and kernel not in _warned:
         _warned.add(kernel)

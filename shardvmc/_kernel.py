@@ -25,7 +25,7 @@ from . import _compat
 from ._errors import CallError, message
 from ._markers import Kind, Layout, Param
 from ._placement import pad_n_walkers, pad_walker
-from ._stats import Body, body_context, current_body, mean_of, reduce_blocks, row_sum
+from ._stats import Body, body_context, current_body, local_indices, mean_of, reduce_blocks, row_sum
 
 __all__ = [
     "LOCAL_AXIS",
@@ -320,11 +320,10 @@ def build(
         count = n if n_valid is None else n_valid
 
         def body(dyn: tuple[Any, ...], count: Any) -> Any:
-            indices = jax.lax.axis_index(axes) * n_local + jnp.arange(n_local)
-            valid = indices < count
+            indices = local_indices(axes, n_local)
+            mask = indices < count if masked else None  # None: no padding, nothing to mask (and no copy)
             dyn = tuple(_walker_keys(a, indices) if k is Kind.KEY else a for a, k in zip(dyn, kinds))
-            out = _map(call, in_axes, options, count, axes)(valid, *dyn)
-            mask = valid if masked else None
+            out = _map(call, in_axes, options, count, axes)(mask, *dyn)
             per_output = _output_kinds(layout, out, qualname)
             if per_output is None:
                 return _finish(out, layout.output, mask, count)

@@ -44,12 +44,14 @@ class CompiledMemory:
         argument_bytes: the inputs (on each device: its shards).
         output_bytes: the outputs.
         alias_bytes: outputs that reuse (donated) input buffers, counted in both.
+        code_bytes: the generated code (0 where the backend does not say).
     """
 
     temp_bytes: int
     argument_bytes: int
     output_bytes: int
     alias_bytes: int = 0
+    code_bytes: int = 0
 
     @property
     def total_bytes(self) -> int:
@@ -84,6 +86,7 @@ def compiled_memory(compiled: Any) -> CompiledMemory:
         argument_bytes=read("argument_size_in_bytes"),
         output_bytes=read("output_size_in_bytes"),
         alias_bytes=read("alias_size_in_bytes"),
+        code_bytes=read("generated_code_size_in_bytes"),
     )
 
 

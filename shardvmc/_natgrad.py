@@ -28,7 +28,7 @@ from ._memory import compiled_memory, device_memory_budget, format_bytes
 from ._mesh import resolve_mesh
 from ._placement import leading_size, pad_n_walkers, pad_walker
 from ._reductions import jtj, jtv, walker_mean
-from ._stats import masked
+from ._stats import local_indices, masked, rmatvec
 from ._walkerset import check_n_valid, split_walker_set
 
 __all__ = ["METHODS", "NaturalGradientInfo", "estimate_bytes", "natural_gradient"]
@@ -91,19 +91,6 @@ class _Config:
 def _centred(x: jax.Array, mean: jax.Array, scale: jax.Array) -> jax.Array:
     """``(x - mean) * scale``: the one centring of the walker data (``scale = 1/sqrt(N)``)."""
     return (x - mean) * scale.astype(x.real.dtype)
-
-
-def _valid_rows(axis: str, n_local: int, count: Any) -> jax.Array:
-    """Inside ``shard_map``: which of this device's ``n_local`` walkers are valid (global index < count).
-
-    The engine's kernel bodies compute the same; it is not exported from ``_kernel``.
-    """
-    return jax.lax.axis_index(axis) * n_local + jnp.arange(n_local) < count
-
-
-def _rmatvec(jc: jax.Array, w: jax.Array) -> jax.Array:
-    """``jc^H w`` without forming the conjugate transpose of the (rows, P) block."""
-    return jnp.conj(jnp.conj(w) @ jc)
 
 
 def _rows(j: jax.Array, e: jax.Array, real: bool) -> tuple[jax.Array, jax.Array]:
@@ -183,7 +170,7 @@ def _sample_space(mesh: Mesh, axis: str, cfg: _Config, j: Any, e: Any, mu: Any, 
     momentum = s["momentum"] if cfg.method == "spring" else jnp.zeros((), j.real.dtype)
 
     def body(j_loc: jax.Array, e_loc: jax.Array, mu_b: jax.Array, emean: Any, count: Any) -> Any:
-        mask = _valid_rows(axis, n_local, count)
+        mask = local_indices(axis, n_local) < count
         scale = jax.lax.rsqrt(count.astype(j_loc.real.dtype))
         rhs = masked(_centred(e_loc, emean, scale), mask)
         if cfg.has_previous:
@@ -229,15 +216,15 @@ def _cg(mesh: Mesh, axis: str, cfg: _Config, j: Any, e: Any, mu: Any, emean: Any
     real_dtype = j.real.dtype
 
     def body(j_loc: jax.Array, e_loc: jax.Array, mu: Any, emean: Any, count: Any, damping: Any, tol: Any) -> Any:
-        mask = _valid_rows(axis, n_local, count)
+        mask = local_indices(axis, n_local) < count
         scale = jax.lax.rsqrt(count.astype(real_dtype))
         jc = masked(_centred(j_loc, mu, scale), mask).reshape(n_local * r, p)
         ec = masked(_centred(e_loc, emean, scale), mask).reshape(n_local * r)
-        b, diag = jax.lax.psum((_rmatvec(jc, ec), jnp.sum(jnp.abs(jc) ** 2, axis=0)), axis)
+        b, diag = jax.lax.psum((rmatvec(jc, ec), jnp.sum(jnp.abs(jc) ** 2, axis=0)), axis)
         precondition = 1.0 / (diag + damping) if cfg.jacobi else jnp.ones((), real_dtype)
 
         def apply(v: jax.Array) -> jax.Array:
-            return jax.lax.psum(_rmatvec(jc, jc @ v), axis) + damping * v
+            return jax.lax.psum(rmatvec(jc, jc @ v), axis) + damping * v
 
         def dot(a: jax.Array, b: jax.Array) -> jax.Array:
             return jnp.real(jnp.vdot(a, b))
@@ -322,7 +309,7 @@ def estimate_bytes(method: str, n: int, p: int, d: int, itemsize: int, *, rows: 
         return shard * 2 + 3 * p * p * itemsize
     if method in ("minsr", "spring"):
         block = _block_size(p, chunks, d)
-        return shard + 2 * (n // d) * rows * block * itemsize + 3 * m * m * itemsize + 4 * p * itemsize
+        return 2 * shard + 2 * (n // d) * rows * block * itemsize + 3 * m * m * itemsize + 4 * p * itemsize
     if method == "cg":
         return shard * 2 + 8 * p * itemsize
     raise ValueError(method)

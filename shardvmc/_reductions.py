@@ -20,7 +20,7 @@ from ._decorator import WalkerParallel
 from ._errors import CallError, message
 from ._kernel import Options
 from ._markers import Kind, Layout, Param
-from ._stats import all_walkers, current_body, reduce_blocks
+from ._stats import all_walkers, current_body, reduce_blocks, rmatvec
 from ._walkerset import WalkerSet
 
 __all__ = ["jtj", "jtv", "walker_mean", "walker_sum"]
@@ -75,7 +75,7 @@ def _jtj_local(jac: jax.Array) -> jax.Array:
 
 
 def _jtv_local(jac: jax.Array, v: jax.Array) -> jax.Array:
-    return jac.conj().T @ v
+    return rmatvec(jac, v)
 
 
 _JTJ = _valid_products(_jtj_local)

@@ -20,7 +20,18 @@ import jax.numpy as jnp
 
 from ._errors import CallError, message
 
-__all__ = ["Body", "all_walkers", "body_context", "current_body", "masked", "mean_of", "reduce_blocks", "row_sum"]
+__all__ = [
+    "Body",
+    "all_walkers",
+    "body_context",
+    "current_body",
+    "local_indices",
+    "masked",
+    "mean_of",
+    "reduce_blocks",
+    "rmatvec",
+    "row_sum",
+]
 
 Mode = Literal["walker", "block", "chunk"]
 
@@ -35,7 +46,7 @@ class Body:
             ``"chunk"`` (``batch_size=``: chunks that cannot see each other).
         axes: the axes to sum over: the named vmap axis (walker mode) and the mesh axes.
         valid: whether this walker is valid (walker mode, a scalar) or which rows of the
-            block are (block mode, a vector).
+            block are (block mode, a vector); ``None`` when every walker is (no padding).
         count: the number of valid walkers of all devices.
     """
 
@@ -61,6 +72,20 @@ def body_context(body: Body) -> Iterator[None]:
         yield
     finally:
         _BODY.reset(token)
+
+
+def local_indices(axes: str | tuple[str, ...], n_local: int) -> jax.Array:
+    """Inside ``shard_map``: the global walker indices of this device's ``n_local`` walkers.
+
+    Walker ``j`` of the device at position ``d`` along ``axes`` is walker ``d * n_local + j``;
+    it is valid when that index is below the valid count.
+    """
+    return jax.lax.axis_index(axes) * n_local + jnp.arange(n_local)
+
+
+def rmatvec(jac: jax.Array, v: jax.Array) -> jax.Array:
+    """``jac^H v`` without forming the conjugate transpose of ``jac`` (no copy of the rows)."""
+    return jnp.conj(jnp.conj(v) @ jac)
 
 
 def masked(x: jax.Array, mask: jax.Array | None) -> jax.Array:
@@ -126,6 +151,12 @@ def _body(what: str) -> Body:
     return body
 
 
+def _sum(body: Body, x: Any) -> Any:
+    if body.mode == "walker":
+        return reduce_blocks(_identity, (x,), body.valid, body.axes)
+    return reduce_blocks(row_sum, (x,), body.valid, body.axes)
+
+
 class _AllWalkers:
     """Statistics over all valid walkers of all devices, callable inside a kernel's body.
 
@@ -151,14 +182,12 @@ class _AllWalkers:
 
     def sum(self, x: Any) -> Any:
         """Sum of ``x`` over the valid walkers of all devices (a pytree, leaf by leaf)."""
-        body = _body("sum")
-        if body.mode == "walker":
-            return reduce_blocks(_identity, (x,), body.valid, body.axes)
-        return reduce_blocks(row_sum, (x,), body.valid, body.axes)
+        return _sum(_body("sum"), x)
 
     def mean(self, x: Any) -> Any:
         """Mean of ``x`` over the valid walkers of all devices (a pytree, leaf by leaf)."""
-        return mean_of(self.sum(x), _body("mean").count)
+        body = _body("mean")
+        return mean_of(_sum(body, x), body.count)
 
     def count(self) -> jax.Array:
         """The number of valid walkers of all devices (an int32 scalar)."""

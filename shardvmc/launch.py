@@ -9,7 +9,8 @@ Each process finds the group in its environment (``SHARDVMC_COORDINATOR_ADDRESS`
 ``SHARDVMC_NUM_PROCESSES``, ``SHARDVMC_PROCESS_ID``), so the program joins it with
 ``if sv.distributed.is_launched(): sv.distributed.initialize()``. With
 ``--devices-per-process N`` every process runs on CPU with ``N`` fake devices
-(``JAX_PLATFORMS=cpu``, ``XLA_FLAGS=--xla_force_host_platform_device_count=N``).
+(``JAX_PLATFORMS=cpu``, ``XLA_FLAGS=--xla_force_host_platform_device_count=N`` and the XLA CPU
+deadlock workaround ``shardvmc.testing.CPU_SCHEDULER_FLAG``).
 
 Every output line is prefixed with its process index (``[0] ...``). The launcher exits
 with the first failing process's code (``128 + signal`` for a signal), or with 124 when
@@ -41,6 +42,7 @@ from collections.abc import Mapping, Sequence
 from typing import IO
 
 from .distributed import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID
+from .testing import CPU_SCHEDULER_FLAG
 
 __all__ = ["DEFAULT_GRACE_S", "TIMEOUT_EXIT_CODE", "free_port", "launch", "main", "process_env"]
 
@@ -78,12 +80,12 @@ def process_env(
     Sets the ``SHARDVMC_*`` variables that ``sv.distributed.initialize()`` reads, binds
     the coordinator to the loopback address only, keeps proxies away from it, and,
     with ``devices_per_process``, gives the process that many fake CPU devices
-    (replacing any device count already in ``XLA_FLAGS``).
+    (replacing any device count already in ``XLA_FLAGS``) and the XLA CPU deadlock workaround.
 
     Example:
         >>> from shardvmc.launch import process_env
         >>> env = process_env({"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}, "127.0.0.1:5000", 2, 1, 2)
-        >>> env["SHARDVMC_PROCESS_ID"], env["XLA_FLAGS"], env["JAX_PLATFORMS"]
+        >>> env["SHARDVMC_PROCESS_ID"], env["XLA_FLAGS"].split()[0], env["JAX_PLATFORMS"]
         ('1', '--xla_force_host_platform_device_count=2', 'cpu')
     """
     env = dict(base)
@@ -98,7 +100,10 @@ def process_env(
             env[name] = ",".join(filter(None, [env.get(name, ""), host, "localhost"]))
     if devices_per_process is not None:
         flags = _DEVICE_COUNT_FLAG.sub("", env.get("XLA_FLAGS", "")).split()
-        env["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={devices_per_process}"])
+        flags.append(f"--xla_force_host_platform_device_count={devices_per_process}")
+        if CPU_SCHEDULER_FLAG not in flags:  # the XLA CPU deadlock workaround (shardvmc.testing)
+            flags.append(CPU_SCHEDULER_FLAG)
+        env["XLA_FLAGS"] = " ".join(flags)
         env["JAX_PLATFORMS"] = "cpu"
     return env
 

@@ -1,7 +1,8 @@
-"""chex-style assertions for users' own tests of sharded walker code."""
+"""Fake CPU devices and chex-style assertions for users' own tests of sharded walker code."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import jax
@@ -9,7 +10,49 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ._mesh import resolve_mesh
 
-__all__ = ["assert_replicated", "assert_walker_sharded"]
+__all__ = ["CPU_SCHEDULER_FLAG", "assert_replicated", "assert_walker_sharded", "set_cpu_devices"]
+
+CPU_SCHEDULER_FLAG = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
+"""The XLA flag that keeps XLA's CPU runtime from deadlocking on larger programs.
+
+With jaxlib 0.10.2, a compiled VMC step holding a folx local energy, a per-walker
+Jacobian and a linear solve runs its first call, then deadlocks on the second (every
+thread idle, the call never returns); the concurrency-optimised scheduler is the cause.
+"""
+
+
+def set_cpu_devices(n: int | None = None) -> None:
+    """Configure the CPU backend: ``n`` fake CPU devices and the deadlock workaround.
+
+    Call it before anything starts JAX's backend (importing ``jax`` and ``shardvmc`` is
+    fine; creating an array is not). It appends to ``XLA_FLAGS``: the device count unless
+    one is already set (so a launcher's or user's choice wins), and
+    :data:`CPU_SCHEDULER_FLAG` unless present. On accelerators the flags only affect the
+    host platform.
+
+    Args:
+        n: the number of fake CPU devices; ``None`` sets only the scheduler flag.
+
+    Raises:
+        RuntimeError: when JAX's backend has already started (the flags would be ignored).
+
+    Example:
+        >>> from shardvmc.testing import set_cpu_devices
+        >>> set_cpu_devices(8)  # doctest: +SKIP
+    """
+    from jax._src import xla_bridge
+
+    if xla_bridge.backends_are_initialized():
+        raise RuntimeError(
+            "set_cpu_devices: JAX's backend has already started, so XLA_FLAGS would be ignored; call it first "
+            "thing in the program, before any JAX array is created."
+        )
+    flags = os.environ.get("XLA_FLAGS", "").split()
+    if n is not None and not any(f.startswith("--xla_force_host_platform_device_count") for f in flags):
+        flags.append(f"--xla_force_host_platform_device_count={int(n)}")
+    if not any(f.startswith(CPU_SCHEDULER_FLAG.split("=")[0]) for f in flags):
+        flags.append(CPU_SCHEDULER_FLAG)
+    os.environ["XLA_FLAGS"] = " ".join(flags)
 
 
 def _arrays(tree: Any, where: str) -> list[tuple[str, jax.Array]]:

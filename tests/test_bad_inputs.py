@@ -113,6 +113,24 @@ def conflicting(params: PerWalker[jax.Array], r):
     return params * r
 
 
+def variadic_means(r: PerWalker[jax.Array]) -> tuple[Mean[jax.Array], ...]:
+    return (r, r)
+
+
+def replicated_return(r: PerWalker[jax.Array]) -> Replicated[jax.Array]:
+    return r
+
+
+@sv.walker_parallel(batch_size=2)
+def chunked_statistic(r: PerWalker[jax.Array]) -> PerWalker[jax.Array]:
+    return r - sv.all_walkers.mean(r)
+
+
+def in_data_mesh():
+    with jax.set_mesh(jax.make_mesh((8,), ("data",))):
+        return energy(ONE, R8)
+
+
 @chex.dataclass
 class Walkers:
     r: Any
@@ -166,6 +184,26 @@ CATALOGUE = [
         ("walker_parallel", "int", "decorate a function")),
     Bad("batch_size that is not a positive int", lambda: sv.walker_parallel(batch_size=0), ValueError,
         ("walker_parallel", "batch_size", "positive int")),
+    Bad("batched=True with batch_size", lambda: sv.walker_parallel(batched=True, batch_size=4), sv.DecorationError,
+        ("walker_parallel", "batched=True with batch_size=4", "drop batch_size")),
+    Bad("variadic tuple of Mean outputs", lambda: sv.walker_parallel(variadic_means), sv.DecorationError,
+        ("variadic_means", "variadic tuple", "Mean[tuple[...]]")),
+    Bad("Replicated return without batched=True", lambda: sv.walker_parallel(replicated_return), sv.DecorationError,
+        ("replicated_return", "marked Replicated", "batched=True")),
+    Bad("memory_budget without batch_size='auto'", lambda: sv.walker_parallel(batch_size=4, memory_budget=10**9),
+        sv.DecorationError, ("walker_parallel", "memory_budget=", "batch_size='auto'")),
+    Bad("axis_name that is not a name", lambda: sv.walker_parallel(axis_name=["hosts", "local"]), sv.DecorationError,
+        ("walker_parallel", "axis_name must be", 'axis_name=("hosts", "local")')),
+    Bad("n_valid that disagrees with a WalkerSet", lambda: energy(ONE, sv.WalkerSet(R8, 6), n_valid=5),
+        sv.CallError, ("energy", "disagrees with the count the WalkerSet", "drop n_valid=")),
+    Bad("WalkerSet count above its walkers", lambda: sv.WalkerSet(R8, 9), sv.CallError,
+        ("WalkerSet", "n_valid=9 is outside 1..8", "the real walkers come first")),
+    Bad("all_walkers outside a kernel", lambda: sv.all_walkers.mean(R8), sv.CallError,
+        ("all_walkers.mean", "outside a walker-parallel kernel", "sv.walker_mean")),
+    Bad("all_walkers in a kernel with batch_size", lambda: chunked_statistic(R8), sv.CallError,
+        ("all_walkers.mean", "batch_size=", "cannot see each other")),
+    Bad("JAX mesh context without the walker axis", in_data_mesh, sv.CallError,
+        ("energy", "no axis named 'walkers'", "axis_name=")),
     # ------------------------------------------------ call time: walkers
     Bad("PerWalker leaves of different walker counts", lambda: energy(ONE, {"a": R8, "b": np.ones((7, 3))}),
         sv.CallError, ("energy", "'r'['a']", "'r'['b']", "8 walkers", "has 7", "walker axis first")),
@@ -235,6 +273,16 @@ CATALOGUE = [
     Bad("save_walkers: metadata JSON cannot hold",
         lambda: sv.save_walkers("/nonexistent/x.npz", {"r": R8}, metadata={"e": jnp.float32(1.0)}), sv.CallError,
         ("save_walkers", "metadata", "JSON", "float(energy)")),
+    Bad("save_walkers: n_valid other than the WalkerSet's",
+        lambda: sv.save_walkers("/nonexistent/x.npz", sv.WalkerSet(R8, n_valid=6), n_valid=7), sv.CallError,
+        ("save_walkers", "n_valid=7", "tree.n_valid=6", "omit n_valid")),
+    Bad("load_walkers: WalkerSet like of another count", lambda: _load_saved(sv.WalkerSet(R8, n_valid=7)), sv.CallError,
+        ("load_walkers", "holds 8 walkers", "expects 7", "n_walkers=7")),
+    Bad("load_walkers: n_walkers that is not a positive int", lambda: _load_saved(R8, n_walkers=0), sv.CallError,
+        ("load_walkers", "n_walkers must be a positive int", "got:", "0", "n_walkers=None")),
+    Bad("check_consistent: a sharded leaf",
+        lambda: sv.distributed.check_consistent({"r": sv.shard_walker(R8)}), sv.CallError,
+        ("check_consistent", "leaf ['r'] of params is sharded", "replicated part of params")),
     Bad("natural_gradient: n_valid disagrees with the WalkerSet",
         lambda: sv.natural_gradient(sv.WalkerSet(J8, 6), sv.WalkerSet(E8, 6), n_valid=7, damping=1e-3), sv.CallError,
         ("natural_gradient", "n_valid=7", "n_valid=6", "omit n_valid=")),
@@ -249,16 +297,6 @@ CATALOGUE = [
     Bad("natural_gradient: solver over the memory budget",
         lambda: sv.natural_gradient(J8, E8, damping=1e-3, method="dense", memory_budget=64), sv.CallError,
         ("natural_gradient", "no solver fits", "method='dense'", "tried: dense", "raise memory_budget=")),
-    Bad("save_walkers: n_valid other than the WalkerSet's",
-        lambda: sv.save_walkers("/nonexistent/x.npz", sv.WalkerSet(R8, n_valid=6), n_valid=7), sv.CallError,
-        ("save_walkers", "n_valid=7", "tree.n_valid=6", "omit n_valid")),
-    Bad("load_walkers: WalkerSet like of another count", lambda: _load_saved(sv.WalkerSet(R8, n_valid=7)), sv.CallError,
-        ("load_walkers", "holds 8 walkers", "expects 7", "n_walkers=7")),
-    Bad("load_walkers: n_walkers that is not a positive int", lambda: _load_saved(R8, n_walkers=0), sv.CallError,
-        ("load_walkers", "n_walkers must be a positive int", "got:", "0", "n_walkers=None")),
-    Bad("check_consistent: a sharded leaf",
-        lambda: sv.distributed.check_consistent({"r": sv.shard_walker(R8)}), sv.CallError,
-        ("check_consistent", "leaf ['r'] of params is sharded", "replicated part of params")),
 ]  # fmt: skip
 
 

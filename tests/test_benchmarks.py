@@ -48,7 +48,7 @@ def test_prints_one_table_with_every_section(quick):
 
 def test_decorated_kernels_compute_what_the_hand_written_ones_do(quick):
     facts = quick[1]["facts"]
-    for output in ("walker", "mean"):
+    for output in ("walker", "mean", "ferminet"):
         assert facts[f"kernel_{output}"]["rel_diff"] < 1e-6
         assert facts[f"kernel_{output}"]["same_hlo_ops"], f"{output}: the decorated program differs from hand-written"
     assert facts["tiny_rel_diff"] < 1e-6

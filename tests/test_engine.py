@@ -9,6 +9,7 @@ garbage; the body vmapped, chunked with ``batch_size`` and written as a block
 (``batched=True``). Float64 throughout, so agreement is to round-off.
 """
 
+import functools
 import warnings
 
 import jax
@@ -78,21 +79,36 @@ MAPPINGS = {
 }
 
 
-@pytest.mark.parametrize("mapping", list(MAPPINGS), ids=list(MAPPINGS))
-def test_derivatives_inside_the_body(mesh, mapping):
+# Every mapping on the 3-device mesh (uneven: it pads); the plain vmap on 1 and 8 devices too.
+CELLS = [(3, "vmap"), (3, "batch_size"), (1, "vmap"), (8, "vmap")]
+
+
+def mesh_of(n_devices):
+    return sv.create_mesh(jax.devices()[:n_devices])
+
+
+@functools.cache
+def inside_reference():
+    return jax.jit(jax.vmap(inside, (None, 0)))(make_params(), walkers(N))
+
+
+@pytest.mark.parametrize("n_devices, mapping", CELLS, ids=[f"{d}dev-{m}" for d, m in CELLS])
+def test_derivatives_inside_the_body(n_devices, mapping):
     params, r = make_params(), walkers(N)
-    ref = jax.vmap(inside, (None, 0))(params, r)
-    kernel = sv.walker_parallel(sv.replicated_args("params")(inside), mesh=mesh, **MAPPINGS[mapping])
+    ref = inside_reference()
+    kernel = sv.walker_parallel(sv.replicated_args("params")(inside), mesh=mesh_of(n_devices), **MAPPINGS[mapping])
     out = kernel(params, r)
     for name in ref:
         np.testing.assert_allclose(out[name], ref[name], rtol=RTOL, atol=1e-12, err_msg=name)
 
 
-def test_derivatives_inside_a_block_body(mesh):
+def test_derivatives_inside_a_block_body():
     params, r = make_params(), walkers(N)
-    ref = jax.vmap(inside, (None, 0))(params, r)
+    ref = inside_reference()
     block = sv.walker_parallel(
-        sv.replicated_args("params")(lambda params, r: jax.vmap(inside, (None, 0))(params, r)), mesh=mesh, batched=True
+        sv.replicated_args("params")(lambda params, r: jax.vmap(inside, (None, 0))(params, r)),
+        mesh=mesh_of(3),
+        batched=True,
     )
     out = block(params, r)
     for name in ref:
@@ -193,9 +209,17 @@ def all_transforms(loss, kernels, params, r):
     }
 
 
-@pytest.mark.parametrize("mapping", ["vmap", "batch_size", "batched"])
-@pytest.mark.parametrize("counting", ["uneven", "walker_set"])
-def test_derivatives_of_outputs(mesh, mapping, counting):
+# Every mapping and counting on 3 devices; vmap with both countings on 1 and 8 devices.
+OUTPUT_CELLS = [(3, m, c) for m in ("vmap", "batch_size", "batched") for c in ("uneven", "walker_set")] + [
+    (d, "vmap", c) for d in (1, 8) for c in ("uneven", "walker_set")
+]
+
+
+@pytest.mark.parametrize(
+    "n_devices, mapping, counting", OUTPUT_CELLS, ids=[f"{d}dev-{m}-{c}" for d, m, c in OUTPUT_CELLS]
+)
+def test_derivatives_of_outputs(n_devices, mapping, counting):
+    mesh = mesh_of(n_devices)
     params = make_params()
     kernels = sharded_kernels(mesh, mapping)
     n_valid = N
@@ -215,9 +239,9 @@ def test_derivatives_of_outputs(mesh, mapping, counting):
         ks = tuple(call(k) for k in kernels)
         return all_transforms(losses(ks, params, r, n_valid), ks, params, r)
 
-    # Under jax.jit in every cell (one compilation); eagerly, transform by transform, in the plain cells.
+    # Under jax.jit in every cell (one compilation); eagerly, transform by transform, in one cell.
     runs = [jax.jit(sharded)(params, r)]
-    if mapping == "vmap":
+    if (n_devices, mapping, counting) == (3, "vmap", "walker_set"):
         runs.append(sharded(params, r))
     for got in runs:
         for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(got)[0], jax.tree_util.tree_leaves(ref)):

@@ -124,18 +124,6 @@ def test_example_doctests(helium):
     assert result.attempted > 0 and result.failed == 0
 
 
-def test_request_cpu_devices_keeps_an_existing_count(helium, monkeypatch):
-    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
-    helium.request_cpu_devices(8)
-    assert os.environ["XLA_FLAGS"] == "--xla_force_host_platform_device_count=2"
-    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_use_thunk_runtime=false")
-    helium.request_cpu_devices(3)
-    assert os.environ["XLA_FLAGS"].split() == [
-        "--xla_cpu_use_thunk_runtime=false",
-        "--xla_force_host_platform_device_count=3",
-    ]
-
-
 def test_command_line_writes_json(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # let --devices create the devices
     env["JAX_PLATFORMS"] = "cpu"

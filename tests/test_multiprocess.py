@@ -28,6 +28,7 @@ import pytest
 
 import shardvmc as sv
 from shardvmc import distributed, launch
+from shardvmc.testing import CPU_SCHEDULER_FLAG
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "mp_worker.py"
@@ -452,7 +453,7 @@ def test_launcher_environment_is_loopback_only():
     assert env["SHARDVMC_COORDINATOR_ADDRESS"] == "127.0.0.1:5555"
     assert env["JAX_COORDINATOR_BIND_ADDRESS"] == "127.0.0.1:5555"  # not JAX's default of every interface
     assert (env["SHARDVMC_NUM_PROCESSES"], env["SHARDVMC_PROCESS_ID"]) == ("3", "2")
-    assert env["XLA_FLAGS"] == "--foo --xla_force_host_platform_device_count=2"
+    assert env["XLA_FLAGS"] == "--foo --xla_force_host_platform_device_count=2 " + CPU_SCHEDULER_FLAG
     assert env["JAX_PLATFORMS"] == "cpu"
     assert "JAX_PLATFORMS" not in launch.process_env({}, "127.0.0.1:5555", 2, 0)
 

@@ -73,5 +73,5 @@ def test_errors():
     assert "ravel_pytree" in str(err.value)
     with pytest.raises(sv.CallError, match="v has 2 dimensions, not 1"):
         sv.jtv(jnp.ones((8, 2)), jnp.ones((8, 1)))
-    with pytest.raises(sv.CallError, match="no walkers"):
+    with pytest.raises(sv.CallError, match="holds zero walkers"):
         sv.walker_sum(jnp.ones((0, 2)))

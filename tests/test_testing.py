@@ -1,5 +1,7 @@
 """shardvmc.testing assertions pass on good shardings and list every bad leaf."""
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -30,3 +32,29 @@ def test_assert_replicated():
 def test_tracers_are_reported_clearly():
     with pytest.raises(AssertionError, match="tracer"):
         jax.jit(lambda x: assert_replicated(x))(jnp.ones(2))
+
+
+def test_set_cpu_devices_keeps_an_existing_count_and_adds_the_scheduler_flag(monkeypatch):
+    from jax._src import xla_bridge
+
+    from shardvmc.testing import CPU_SCHEDULER_FLAG, set_cpu_devices
+
+    monkeypatch.setattr(xla_bridge, "backends_are_initialized", lambda: False)  # this process's backend runs
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
+    set_cpu_devices(8)
+    assert os.environ["XLA_FLAGS"].split() == ["--xla_force_host_platform_device_count=2", CPU_SCHEDULER_FLAG]
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_use_thunk_runtime=false")
+    set_cpu_devices(3)
+    set_cpu_devices(3)  # idempotent
+    assert os.environ["XLA_FLAGS"].split() == [
+        "--xla_cpu_use_thunk_runtime=false",
+        "--xla_force_host_platform_device_count=3",
+        CPU_SCHEDULER_FLAG,
+    ]
+
+
+def test_set_cpu_devices_refuses_a_started_backend():
+    from shardvmc.testing import set_cpu_devices
+
+    with pytest.raises(RuntimeError, match="already started"):
+        set_cpu_devices(8)
