@@ -103,14 +103,14 @@ class Config:
     hidden_two: int = 8
     layers: int = 2
     determinants: int = 4
-    sweeps: int = 10
+    sweeps: int = 20
     burn_in: int = 100  # Metropolis moves before the first step (in steps of `sweeps`)
     step_size: float = 0.3
     optimiser: str = "minsr"
     damping: float = 1e-3
     momentum: float = 0.9
-    lr: float = 0.05
-    lr_decay: float = 1000.0
+    lr: float = 0.1
+    lr_decay: float = 2000.0
     max_norm: float = 0.05
     clip: float = 5.0
     batch_size: int | None = None
