@@ -39,8 +39,9 @@ atomically by ``sv.save_walkers``) hold the walkers with their count and cached
 log|psi|, and in the JSON metadata the parameters, SPRING's previous update, the
 Metropolis step size, the step, the seed, the settings and the history. JSON holds
 floats exactly (shortest round-trip repr), so ``--resume`` continues bit-identically
-in float64 on the same device count, and to round-off on another; a run killed by
-SIGKILL resumes from its last checkpoint. The randomness of step ``t`` is
+in float64 on the same device count, and on another to round-off with a direct solver
+(minsr, spring, dense; CG's tolerance, far above round-off, lets the chain drift apart
+within some 20 steps); a run killed by SIGKILL resumes from its last checkpoint. The randomness of step ``t`` is
 ``fold_in(key(seed), t)`` and then the walker index, whatever the device count.
 
 Measured: see ``docs/neural.md`` ("Measured") for the figures of the default Li run and
