@@ -97,8 +97,8 @@ class Config:
 
     system: str = "Li"
     walkers: int = 512
-    steps: int = 1500
-    eval_steps: int = 400
+    steps: int = 700
+    eval_steps: int = 300
     seed: int = 0
     hidden: int = 32
     hidden_two: int = 8
