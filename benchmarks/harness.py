@@ -24,6 +24,14 @@ import shardvmc as sv
 AXIS = "walkers"
 
 
+def fill_defaults(args: Any, defaults: dict[str, Any], quick: dict[str, Any]) -> Any:
+    """Set the options the command line left unset: ``quick``'s sizes with ``--quick``, else ``defaults``."""
+    for key, value in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, quick[key] if args.quick else value)
+    return args
+
+
 # --------------------------------------------------------------------------------------------
 # Timing
 

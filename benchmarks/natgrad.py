@@ -30,6 +30,8 @@ import sys
 import time
 from typing import Any
 
+from harness import fill_defaults  # this folder is on sys.path when run as a script; starts no backend
+
 QUICK = {"walkers": 256, "params": "1000,10000", "time_walkers": "128,64", "time_params": "1000,4000", "reps": 3}
 
 
@@ -51,10 +53,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "time_walkers": "1024,256",
         "reps": 9,
     }
-    for key, value in defaults.items():
-        if getattr(args, key) is None:
-            setattr(args, key, QUICK[key] if args.quick else value)
-    return args
+    return fill_defaults(args, defaults, QUICK)
 
 
 def main(argv: list[str] | None = None) -> int:

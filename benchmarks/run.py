@@ -22,6 +22,8 @@ import sys
 import time
 from typing import Any
 
+from harness import fill_defaults  # this folder is on sys.path when run as a script; starts no backend
+
 from shardvmc.testing import set_cpu_devices  # imports jax; starts no backend
 
 QUICK = {
@@ -63,10 +65,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.add_argument(f"--{name}", type=int, help=f"{what} (default {default}; --quick: {quick})")
     args = parser.parse_args(argv)
     defaults = {"system": "o2"} | {name.replace("-", "_"): default for name, default, _ in sizes}
-    for key, value in defaults.items():
-        if getattr(args, key) is None:
-            setattr(args, key, QUICK[key] if args.quick else value)
-    return args
+    return fill_defaults(args, defaults, QUICK)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -39,6 +39,13 @@ class SphinxRoles(griffe.Extension):
         return next((c for c in candidates if c in self._documented), None)
 
     def on_instance(self, *, obj: griffe.Object, **kwargs: Any) -> None:
+        if obj.docstring is None and obj.is_attribute and obj.path.startswith("shardvmc._markers."):
+            # The markers are typing aliases that carry their docstring at runtime (``PerWalker.__doc__``),
+            # which static analysis cannot see: read it from the imported module.
+            import importlib
+
+            doc = getattr(importlib.import_module("shardvmc._markers"), obj.name, None).__doc__
+            obj.docstring = griffe.Docstring(doc, parent=obj) if doc else None
         if obj.docstring is None or ":`" not in obj.docstring.value:
             return
 

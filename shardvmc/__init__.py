@@ -56,7 +56,7 @@ from ._vmap import shard_vmap as shard_vmap
 from ._vmap import sharded_batched_vmap as sharded_batched_vmap
 from ._walkerset import WalkerSet as WalkerSet
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "CallError",

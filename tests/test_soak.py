@@ -91,5 +91,5 @@ def test_mcmc_loop_compiles_once_and_memory_stays_flat() -> None:
     # The chain did something sensible: walkers stay sharded and finite, moves are accepted.
     assert isinstance(r, sv.WalkerSet) and r.n_valid == N_WALKERS
     assert r.data.sharding.spec == jax.sharding.PartitionSpec("walkers") and r.data.shape == (N_WALKERS, 2, 3)
-    assert np.isfinite(np.asarray(r)).all()
+    assert np.isfinite(np.asarray(r.data)).all()
     assert 0.05 < float(np.mean(rates)) < 0.95
