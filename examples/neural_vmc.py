@@ -44,13 +44,15 @@ in float64 on the same device count, and on another to round-off with a direct s
 within some 20 steps); a run killed by SIGKILL resumes from its last checkpoint. The randomness of step ``t`` is
 ``fold_in(key(seed), t)`` and then the walker index, whatever the device count.
 
-Measured (2 CPU cores, 8 fake devices, float64, 2026-11-30, on a machine shared with
-four other engineers' jobs, load average 8 to 20: wall times inflated, perhaps 2 to 4
-times; ``docs/neural.md`` has the details):
+Measured (2 CPU cores, 8 fake devices, float64, 2026-11-30; ``docs/neural.md`` has the
+details). The default Li run on the quiet machine (load average 1.4 to 4):
 
     python examples/neural_vmc.py --system Li                 # the defaults: 700 + 300 steps
         E = -7.47765 +- 0.00019 Ha (exact -7.47806, HF -7.43273): 99.1 % of the
-        correlation energy, in 703 s (65 s of it compiling), 800 walkers/s
+        correlation energy, in 155 s (10 s of it compiling), 3,500 walkers/s
+
+and, while the machine was shared with four other engineers' jobs (load average 8 to
+20; wall times inflated: the same default Li run took 703 s, with identical energies):
     python examples/neural_vmc.py --system Li --steps 1500 --eval-steps 400
         E = -7.47821 +- 0.00017 Ha, 100.3 % of the correlation energy, 1458 s;
         the 50-step running average reached -7.4765 at step 332
