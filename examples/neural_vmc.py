@@ -50,6 +50,8 @@ details). The default Li run on the quiet machine (load average 1.4 to 4):
     python examples/neural_vmc.py --system Li                 # the defaults: 700 + 300 steps
         E = -7.47765 +- 0.00019 Ha (exact -7.47806, HF -7.43273): 99.1 % of the
         correlation energy, in 155 s (10 s of it compiling), 3,500 walkers/s
+    python examples/neural_vmc.py --system Be                 # the defaults
+        E = -14.66567 +- 0.00082 Ha (exact -14.66736): 98.2 %, in 217 s
 
 and, while the machine was shared with four other engineers' jobs (load average 8 to
 20; wall times inflated: the same default Li run took 703 s, with identical energies):
