@@ -239,8 +239,8 @@ def make_step(
         # SR: delta = (S + damping)^-1 g with S = <j j^T> - <j><j>^T and the energy gradient
         # g = 2 (<j e> - <j><e>). With P = 2 parameters the dense P x P solve is the one to use;
         # its S comes from sv.jtj (one all-reduce), so j is never gathered.
-        update, _ = sv.natural_gradient(j, e, n_valid=n_valid, damping=1e-4, method="dense", mesh=mesh)
-        delta = 2.0 * update
+        natural, _ = sv.natural_gradient(j, e, n_valid=n_valid, damping=1e-4, method="dense", mesh=mesh)
+        delta = 2.0 * natural
         # Trust region: the step's length in the SR metric, lr^2 delta.S.delta, is at most max_norm
         # (delta.S.delta is the variance of j.delta over the walkers).
         delta_s_delta = sv.walker_mean(jax.tree.map(lambda x: (x @ delta) ** 2, j), n_valid) - (j_mean @ delta) ** 2
