@@ -421,7 +421,9 @@ def saved_by_two_processes(tmp_path_factory: pytest.TempPathFactory) -> tuple[Pa
     """2 processes x 2 devices save 10 walkers; then process 1 is killed in the middle of a second save."""
     directory = tmp_path_factory.mktemp("two_processes")
     code, output = _launch(2, 2, "save", directory)
-    assert code == 128 + signal.SIGKILL, output  # process 1 was killed, and the launcher stopped process 0
+    # Process 1 is killed mid-save; the launcher reports whichever failure it sees first: that kill, or process 0's
+    # collective failing ("connection reset by peer") when its peer vanished.
+    assert code in (128 + signal.SIGKILL, 1), output
     assert "the second save completed" not in output
     return directory, [json.loads((directory / f"save_{p}.json").read_text()) for p in (0, 1)], output
 
