@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -231,12 +232,33 @@ def initialize_walkers_sharded(
     return _init_kernel(init_fn, mesh, axis_name)(key, slots)
 
 
-@functools.cache
+# One kernel per initialisation function and mesh, dropped with the function: a fresh lambda per call
+# (as in the README) must not pin a compiled kernel for the life of the process.
+_INIT_KERNELS: weakref.WeakKeyDictionary[Any, dict[tuple[Mesh, Any], WalkerParallel]] = weakref.WeakKeyDictionary()
+
+
 def _init_kernel(init_fn: Callable[[jax.Array], Any], mesh: Mesh, axis_name: Any) -> WalkerParallel:
+    try:
+        by_mesh = _INIT_KERNELS.setdefault(init_fn, {})
+        ref = weakref.ref(init_fn)  # held weakly: a strong reference from the cached kernel would keep it alive
+
+        def one(key: jax.Array, slot: Any) -> Any:
+            return ref()(key)  # type: ignore[misc]  # alive while its kernel is reachable through the key
+
+    except TypeError:  # not weakly referenceable (e.g. some builtins): not cached
+        by_mesh = {}
+
+        def one(key: jax.Array, slot: Any) -> Any:
+            return init_fn(key)
+
+    try:
+        return by_mesh[mesh, axis_name]
+    except KeyError:
+        pass
     layout = Layout(
         (Param("key", Kind.KEY), Param("slot", Kind.PER_WALKER)), Kind.PER_WALKER, _signature(("key", "slot"))
     )
     qualname = f"initialize_walkers_sharded({getattr(init_fn, '__qualname__', repr(init_fn))})"
-    return WalkerParallel(
-        lambda key, slot: init_fn(key), layout, mesh=mesh, options=Options(axis_name=axis_name), qualname=qualname
-    )
+    kernel = WalkerParallel(one, layout, mesh=mesh, options=Options(axis_name=axis_name), qualname=qualname)
+    by_mesh[mesh, axis_name] = kernel
+    return kernel
