@@ -332,6 +332,15 @@ def test_a_crashing_process_ends_the_run_promptly(runs):
     assert runs["crash"].ended - crashed_at < 30, output
 
 
+def test_a_failing_process_runs_the_exit_handlers_registered_before_initialize(runs):
+    """The failing process skips only JAX's shutdown barrier: the program's own exit handlers run, its own
+    ``sys.exit`` is the one called, and what initialize wrapped is put back by the time they run."""
+    code, output = runs["crash"].wait()
+    assert code == 3, output
+    assert "[1] user sys.exit(3)" in output
+    assert "[1] exit handler registered before initialize ran; sys.exit restored: True" in output
+
+
 def _launch_quietly(
     command: list[str], processes: int, timeout: float | None = None, grace: float = 0.5
 ) -> tuple[int, str, str]:
@@ -424,22 +433,34 @@ def test_an_interrupted_launcher_leaves_no_process_behind(sig, when):
 
 
 def test_an_uncaught_exception_after_initialize_ends_the_run_promptly():
-    """The failing process skips JAX's shutdown barrier (5 minutes), so the launcher sees it and stops process 0."""
+    """The failing process skips JAX's shutdown barrier (5 minutes), so the launcher sees it and stops process 0.
+
+    The program replaces ``sys.excepthook`` after initialize without calling the one it found (as
+    ``rich.traceback.install()`` does) and registered an exit handler before it: the failure is still
+    seen, and both of them run.
+    """
     script = (
-        "import time\n"
+        "import atexit, sys, time, traceback\n"
+        "atexit.register(lambda: print('user exit handler ran', flush=True))\n"
         "import shardvmc as sv\n"
         "sv.distributed.initialize()\n"
         "import jax\n"
+        "sys.excepthook = lambda *exc: (print('user excepthook:', exc[1]), traceback.print_exception(*exc))\n"
         "if jax.process_index() == 1:\n"
+        "    print(f'failing at {time.time()!r}', flush=True)\n"
         "    raise RuntimeError('process 1 fails')\n"
         "time.sleep(600)\n"
     )
-    started = time.monotonic()
-    code, out, err = _launch_quietly([sys.executable, "-c", script], 2, timeout=WAIT_S)
+    # The timeout bounds startup on a loaded machine and stays well below the barrier's 300 s.
+    code, out, err = _launch_quietly([sys.executable, "-c", script], 2, timeout=120)
+    ended = time.time()
     assert code == 1, out + err
     assert "[1] RuntimeError: process 1 fails" in out
+    assert "[1] user excepthook: process 1 fails" in out
+    assert "[1] user exit handler ran" in out
     assert "process 1 exited with code 1; stopping the others" in err
-    assert time.monotonic() - started < 30, out + err  # a hang guard, not a benchmark
+    failed_at = float(out.split("failing at ")[1].split()[0])
+    assert ended - failed_at < 30, out + err  # from the failure to the end of the run: a hang guard, not a benchmark
 
 
 def test_launcher_timeout():
@@ -496,11 +517,59 @@ def test_initialize_after_devices_were_touched_explains(monkeypatch):
     assert not jax.distributed.is_initialized()
 
 
-@pytest.mark.parametrize(("platforms", "cpu"), [("cpu", True), ("cuda,cpu", False), ("tpu", False)])
-def test_platform_is_decided_without_a_backend(platforms, cpu):
-    before = jax.config.jax_platforms
-    jax.config.update("jax_platforms", platforms)
+@pytest.fixture
+def initialize_without_a_group(monkeypatch):
+    """``sv.distributed.initialize`` in this process, with JAX's own initialize recorded instead of run.
+
+    Yields the calls: ``(kwargs, CPU collectives in place at the call)``. The platform is left unset
+    (no ``JAX_PLATFORMS``), as on a machine where JAX would detect it.
+    """
+    calls: list[tuple[dict[str, Any], Any]] = []
+    for name in (distributed.ENV_COORDINATOR, distributed.ENV_NUM_PROCESSES, distributed.ENV_PROCESS_ID):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.delenv("JAX_PLATFORMS", raising=False)
+    monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: calls.append((kw, _collectives())))
+    monkeypatch.setattr(distributed, "_backends_initialized", lambda: False)  # this process's backend runs
+    monkeypatch.setattr(distributed, "_SETTINGS", None)
+    monkeypatch.setattr(sys, "exit", sys.exit)  # put back whatever initialize may install
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)
+    before = jax.config.jax_platforms, _collectives()
+    jax.config.update("jax_platforms", None)
     try:
-        assert distributed._platform_is_cpu() is cpu
+        yield calls
     finally:
-        jax.config.update("jax_platforms", before)
+        jax.config.update("jax_platforms", before[0])
+        jax.config.update("jax_cpu_collectives_implementation", before[1])
+
+
+def _collectives() -> Any:
+    return jax.config.jax_cpu_collectives_implementation
+
+
+def test_gloo_is_chosen_with_an_accelerator_plugin_installed_and_no_gpu(initialize_without_a_group, monkeypatch):
+    """A CUDA plugin is installed but JAX will run on CPU: the CPU collectives must still be gloo, or every
+    cross-process computation on CPU arrays fails. They serve CPU arrays only, so no platform guess is needed."""
+    import importlib.machinery
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+
+    def with_plugin(name: str, *args: Any) -> Any:
+        return importlib.machinery.ModuleSpec(name, None) if name == "jax_cuda12_plugin" else find_spec(name, *args)
+
+    monkeypatch.setattr(importlib.util, "find_spec", with_plugin)
+    jax.config.update("jax_cpu_collectives_implementation", None)
+    exit_before = sys.exit
+    sv.distributed.initialize("127.0.0.1:1", num_processes=2, process_id=0, fail_fast=False)
+    [(kwargs, collectives)] = initialize_without_a_group
+    assert collectives == "gloo"
+    assert "fail_fast" not in kwargs and kwargs["num_processes"] == 2
+    assert sys.exit is exit_before  # fail_fast=False installs nothing
+
+
+@pytest.mark.parametrize("chosen", ["mpi", "megascale"])
+def test_a_chosen_cpu_collectives_implementation_is_kept(initialize_without_a_group, chosen):
+    jax.config.update("jax_cpu_collectives_implementation", chosen)
+    sv.distributed.initialize("127.0.0.1:1", num_processes=2, process_id=0, fail_fast=False)
+    [(_, collectives)] = initialize_without_a_group
+    assert collectives == chosen
