@@ -89,15 +89,19 @@ class Run:
     def wait(self) -> tuple[int, str]:
         self._thread.join(WAIT_S)
         if self._thread.is_alive():
-            self.proc.kill()
-            self._thread.join(10)
+            self.stop()
             pytest.fail(f"{' '.join(self.command)} did not finish within {WAIT_S} s:\n{self.output}")
         return self.proc.returncode, self.output
 
     def stop(self) -> None:
+        """End the command: SIGTERM first, so that a launcher stops its processes, then SIGKILL."""
         if self.proc.poll() is None:
-            self.proc.kill()
-        self._thread.join(10)
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self._thread.join(30)
 
 
 @pytest.fixture(scope="module")
@@ -367,10 +371,31 @@ def _groups(output: str) -> list[int]:
     return [int(line.split()[2]) for line in output.splitlines() if line.split()[1:2] == ["group"]]
 
 
-def _group_gone(pgid: int) -> bool:
-    """No live (non-zombie) process is left in group ``pgid`` (zombies wait for init to reap them)."""
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
+def _kill_groups(pgids: list[int]) -> None:
+    """SIGKILL what is left of these process groups (cleanup after a test, whatever happened)."""
+    for pgid in pgids:
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (each launched process leads its own group)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(stat.parent.name))
+        except (OSError, IndexError, ValueError):
+            continue
+    return found
+
+
+def _group_gone(pgid: int, wait: float = 10) -> bool:
+    """No live (non-zombie) process is left in group ``pgid`` within ``wait`` seconds (zombies wait for init)."""
+    deadline = time.monotonic() + wait
+    while True:
         try:
             os.killpg(pgid, 0)
         except ProcessLookupError:
@@ -385,8 +410,9 @@ def _group_gone(pgid: int) -> bool:
                 members.append(stat.parent.name)
         if not members:
             return True
+        if time.monotonic() >= deadline:
+            return False
         time.sleep(0.05)
-    return False
 
 
 def test_launcher_exit_code_and_prefixes_without_jax():
@@ -411,25 +437,130 @@ def test_an_interrupted_launcher_leaves_no_process_behind(sig, when):
     grace, fail = ("0.5", []) if when == "running" else ("120", ["fail"])
     command = [sys.executable, "-m", "shardvmc.launch", "-n", "2", "--grace", grace, "--"]
     command += [sys.executable, "-c", STUBBORN, *fail]
-    proc = subprocess.Popen(
-        command, cwd=ROOT, env=_clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
-    try:
-        assert proc.stdout is not None and proc.stderr is not None
-        lines: list[str] = []
-        while len(_groups("".join(lines))) < 2:  # both processes and their children are running
-            line = proc.stdout.readline()
-            assert line, f"the launcher ended early: {proc.wait()}"
-            lines.append(line)
+    with _Started(command) as run:
+        assert run.wait_for(lambda: len(_groups(run.out())) == 2), "the processes did not start"
         if when == "stopping":  # process 1 failed: the launcher is waiting out the grace period
-            assert "process 1 exited with code 5; stopping the others" in proc.stderr.readline()
-        proc.send_signal(sig)
-        out, err = proc.communicate(timeout=30)
+            assert run.wait_for(lambda: "process 1 exited with code 5; stopping the others" in run.err())
+        run.proc.send_signal(sig)
+        assert run.wait_for(lambda: run.proc.poll() is not None, 60), f"no exit within 60 s of {sig.name}"
+        run.close()
+        assert run.proc.returncode == 128 + sig, run.err()
+        assert f"got {sig.name}; stopped every process" in run.err()
+        assert all(_group_gone(pgid) for pgid in _groups(run.out())), run.out()
+
+
+class _Started:
+    """A launcher started in its own session, its output read by threads.
+
+    On leaving (whatever happened: an assertion, a hang) it kills the launcher's session and the
+    process groups it reported, and closes the pipes. ``wait_for`` bounds every wait: generous
+    bounds against hangs, which hold on a loaded machine.
+    """
+
+    def __init__(self, command: list[str]) -> None:
+        self.proc = subprocess.Popen(
+            command,
+            cwd=ROOT,
+            env=_clean_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        self._out: list[str] = []
+        self._err: list[str] = []
+        assert self.proc.stdout is not None and self.proc.stderr is not None
+        self._readers = [
+            threading.Thread(target=self._read, args=(self.proc.stdout, self._out), daemon=True),
+            threading.Thread(target=self._read, args=(self.proc.stderr, self._err), daemon=True),
+        ]
+        for reader in self._readers:
+            reader.start()
+
+    @staticmethod
+    def _read(stream: Any, into: list[str]) -> None:
+        for line in iter(stream.readline, ""):
+            into.append(line)
+
+    def out(self) -> str:
+        return "".join(self._out)
+
+    def err(self) -> str:
+        return "".join(self._err)
+
+    def wait_for(self, condition: Any, timeout: float = WAIT_S) -> bool:
+        deadline = time.monotonic() + timeout
+        while not condition():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
+        return True
+
+    def close(self) -> None:
+        """Kill what is left, reap the launcher, read the last output and close the pipes."""
+        if self.proc.poll() is None:  # its children too, also those that did not report their group yet
+            _kill_groups([self.proc.pid, *_children(self.proc.pid)])
+        _kill_groups([pgid for pgid in _groups(self.out()) if not _group_gone(pgid, wait=0)])
+        self.proc.wait(timeout=30)
+        for reader in self._readers:
+            reader.join(timeout=30)
+        for stream in (self.proc.stdout, self.proc.stderr):
+            if stream is not None:
+                stream.close()
+
+    def __enter__(self) -> _Started:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+class _SignalOnMessage(io.StringIO):
+    """The launcher's stderr, which sends this process SIGINT the moment ``text`` is written.
+
+    The signal then lands right after the launcher's message, before it starts stopping the
+    processes: the window a test that signals on reading the message hits on a loaded machine.
+    """
+
+    def __init__(self, text: str) -> None:
+        super().__init__()
+        self.text = text
+
+    def write(self, s: str) -> int:
+        written = super().write(s)
+        if self.text in s:
+            os.kill(os.getpid(), signal.SIGINT)
+        return written
+
+
+def test_a_signal_right_after_the_failure_message_cuts_the_grace_short(monkeypatch):
+    """``launch.main`` in this process: process 1 fails, and SIGINT arrives as the launcher says so.
+
+    Process 0 ignores SIGTERM and the grace is 120 s: only a signal that is not lost in that window
+    ends the launcher well before the grace runs out, with 130 and no process left.
+    """
+    started: list[subprocess.Popen[bytes]] = []
+
+    class Recorded(subprocess.Popen):  # type: ignore[type-arg]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            started.append(self)
+
+    monkeypatch.setattr(launch.subprocess, "Popen", Recorded)
+    err = _SignalOnMessage("stopping the others")
+    monkeypatch.setattr(sys, "stdout", io.StringIO())
+    monkeypatch.setattr(sys, "stderr", err)
+    began = time.monotonic()
+    try:
+        code = launch.main(["-n", "2", "--grace", "120", "--", sys.executable, "-c", STUBBORN, "fail"])
+        took = time.monotonic() - began
+        assert len(started) == 2
+        assert all(_group_gone(p.pid) for p in started), err.getvalue()
     finally:
-        proc.kill()
-    assert proc.returncode == 128 + sig, err
-    assert f"got {sig.name}; stopped every process" in err
-    assert all(_group_gone(pgid) for pgid in _groups("".join(lines))), lines
+        _kill_groups([p.pid for p in started])
+    assert code == 130, err.getvalue()
+    assert "got SIGINT; stopped every process" in err.getvalue()
+    assert took < 60, err.getvalue()  # the grace is 120 s (a hang guard, not a benchmark)
 
 
 def test_an_uncaught_exception_after_initialize_ends_the_run_promptly():
