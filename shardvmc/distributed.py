@@ -134,10 +134,10 @@ def _select_cpu_collectives(coordinator_address: str | None) -> None:
 
     JAX's own default is gloo; only an explicit ``None`` leaves the CPU client without
     cross-process collectives, and then every computation across processes on CPU arrays
-    fails. No platform is guessed: the CPU collectives serve CPU arrays only, so on a GPU
-    or TPU run they cost nothing, while a guess from installed plugins (a CUDA plugin on a
-    machine without a GPU, where JAX runs on CPU) would leave the CPU run without them.
-    ``mpi`` and ``megascale`` are kept as chosen.
+    fails. No platform is guessed: the CPU collectives serve CPU arrays only, and on a GPU
+    or TPU run gloo is what JAX sets up for its CPU client by default anyway, while a guess
+    from installed plugins (a CUDA plugin on a machine without a GPU, where JAX runs on
+    CPU) would leave the CPU run without them. ``mpi`` and ``megascale`` are kept as chosen.
     """
     if jax.config.jax_cpu_collectives_implementation is None:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
