@@ -221,7 +221,13 @@ def _cg(mesh: Mesh, axis: str, cfg: _Config, j: Any, e: Any, mu: Any, emean: Any
         jc = masked(_centred(j_loc, mu, scale), mask).reshape(n_local * r, p)
         ec = masked(_centred(e_loc, emean, scale), mask).reshape(n_local * r)
         b, diag = jax.lax.psum((rmatvec(jc, ec), jnp.sum(jnp.abs(jc) ** 2, axis=0)), axis)
-        precondition = 1.0 / (diag + damping) if cfg.jacobi else jnp.ones((), real_dtype)
+        # The pseudo-inverse of the diagonal: a zero entry (damping=0 and a parameter J does not depend on)
+        # is a zero row of S with a zero right-hand side; 0 there keeps CG off that direction, which gives
+        # the minimum-norm solution, where 1 / 0 would make every entry NaN.
+        shifted = diag + damping
+        usable = shifted > jnp.finfo(real_dtype).tiny
+        inverse = jnp.where(usable, 1.0 / jnp.where(usable, shifted, 1.0), 0.0)
+        precondition = inverse if cfg.jacobi else jnp.ones((), real_dtype)
 
         def apply(v: jax.Array) -> jax.Array:
             return jax.lax.psum(rmatvec(jc, jc @ v), axis) + damping * v
@@ -429,8 +435,10 @@ def natural_gradient(
         rcond: the relative eigenvalue cutoff of ``solver="eigh"``.
         tol: CG's relative residual target.
         maxiter: CG's iteration limit.
-        precondition: CG with the Jacobi (diagonal) preconditioner ``diag(S) + damping``;
-            ``None``: only when P <= N. When P > N the right-hand side lies in the
+        precondition: CG with the Jacobi (diagonal) preconditioner ``diag(S) + damping``
+            (inverted where non-zero; a zero entry, a parameter J does not depend on
+            with ``damping=0``, keeps that entry of the update 0, the minimum-norm
+            solution); ``None``: only when P <= N. When P > N the right-hand side lies in the
             N-dimensional range of ``Jc^H``, where plain CG stays, while a diagonal
             scaling mixes in the null space of ``S``, whose eigenvalue is only
             ``damping``: a small residual then hides a large error.

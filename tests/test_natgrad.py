@@ -225,3 +225,27 @@ def test_estimates_rank_the_methods_as_the_formulas_say():
     assert minsr < estimate_bytes("minsr", n, p, d, 4) < estimate_bytes("dense", n, p, d, 4)
     assert minsr < 2 * n * p * 4 / 4  # under 1/4 of the replicated solve (gathered J and its centred copy)
     assert isinstance(CompiledMemory(1, 2, 3).total_bytes, int)
+
+
+@pytest.mark.parametrize("k", [1, 3], ids=lambda k: f"{k}dev")
+def test_cg_without_damping_on_a_parameter_that_never_moves(k):
+    """damping=0 and a zero column of J: S has a zero row, the Jacobi preconditioner a zero diagonal entry.
+
+    The system is singular only in that direction, where the right-hand side is 0 too; CG must give the
+    minimum-norm solution (numpy's pseudo-inverse of Jc in float64): the other entries exact, that one 0.
+    """
+    j, e = problem(seed=9, n=N, p=6)
+    j[:N_VALID, 2] = 0.0  # a parameter log|psi| does not depend on (padding rows stay NaN)
+    jc = (j[:N_VALID] - j[:N_VALID].mean(0)) / np.sqrt(N_VALID)
+    ec = (e[:N_VALID] - e[:N_VALID].mean()) / np.sqrt(N_VALID)
+    want = np.linalg.pinv(jc) @ ec
+    mesh = sv.create_mesh(jax.devices()[:k])
+    with jax.enable_x64(True):
+        update, info = sv.natural_gradient(j, e, n_valid=N_VALID, damping=0.0, method="cg", mesh=mesh, **EXACT)
+        dense, _ = sv.natural_gradient(j, e, n_valid=N_VALID, damping=0.0, method="dense", solver="eigh", mesh=mesh)
+    update = np.asarray(update)
+    assert np.isfinite(update).all(), update
+    assert update[2] == 0.0
+    np.testing.assert_allclose(update, want, rtol=1e-9, atol=1e-9)
+    np.testing.assert_allclose(update, dense, rtol=1e-9, atol=1e-9)
+    assert int(info.iterations) > 0 and float(info.residual) < 1e-9
