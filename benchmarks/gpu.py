@@ -199,15 +199,31 @@ def median(values: list[float]) -> float:
 # ----------------------------------------------------------------------------- 8. kernels
 
 
+def compare_kernels(guard: Guard, what: str, dec: Any, hand: Any, params: Any, r: Any, memory: bool) -> None:
+    """Rows: decorated / hand-written (and their max rel diff), walkers per second, compiled temporary memory."""
+    from harness import rel_diff, temp_bytes
+
+    thunks = {"decorated": lambda: dec(params, r), "hand": lambda: hand(params, r)}
+    rat, times, _ = ratio_row(guard, thunks, "decorated", "hand")
+    diff = rel_diff(dec(params, r), hand(params, r))
+    report, n = guard.report, r.shape[0]
+    report.row(
+        8, f"{what}: decorated / hand-written (max rel diff {diff:.1e})", str(rat), "<= 1.02", rat.median <= 1.02
+    )
+    report.row(8, f"{what}: walkers per second (decorated)", f"{n / median(times['decorated']):,.0f}")
+    if memory:
+        report.row(
+            8, f"{what}: temporary memory per device", f"{temp_bytes(dec.lower(params, r).compile()) / 2**20:,.1f} MiB"
+        )
+
+
 def kernel_rows(guard: Guard, mesh: Any, sizes: Sizes) -> None:
     import sections
     import system
-    from harness import decorated_energy, hand_written, rel_diff, temp_bytes
-    from jax.flatten_util import ravel_pytree
+    from harness import decorated_energy, hand_written
 
     import shardvmc as sv
 
-    report = guard.report
     for n in sizes.ferminet_walkers:
         n = sv.pad_n_walkers(n, mesh.devices.size)
         cfg = sections.Config(system=system.HE, mesh=mesh, ferminet_walkers=n, ferminet_sizes=sizes.ferminet_net)
@@ -216,25 +232,12 @@ def kernel_rows(guard: Guard, mesh: Any, sizes: Sizes) -> None:
         for batch_size in batches:
             what = f"FermiNet-style network (Li, folx), per-walker local energy, {n} walkers, batch_size={batch_size}"
 
-            def run(cfg: Any = cfg, n: int = n, batch_size: int | None = batch_size, what: str = what) -> None:
+            def run(cfg: Any = cfg, batch_size: int | None = batch_size, what: str = what) -> None:
                 local_energy, params, r = sections.ferminet_workload(cfg)
-                kernel = sv.replicated_args("params")(local_energy)
-                dec = sv.walker_parallel(kernel, mesh=mesh, batch_size=batch_size)
-                hand = hand_written(local_energy, mesh, "walker", batch_size)
-                thunks = {"decorated": lambda: dec(params, r), "hand": lambda: hand(params, r)}
-                rat, times, _ = ratio_row(guard, thunks, "decorated", "hand")
-                diff = rel_diff(dec(params, r), hand(params, r))
-                n_params = ravel_pytree(params)[0].size
-                report.row(
-                    8,
-                    f"{what}: decorated / hand-written (max rel diff {diff:.1e})",
-                    str(rat),
-                    "<= 1.02",
-                    rat.median <= 1.02,
+                dec = sv.walker_parallel(sv.replicated_args("params")(local_energy), mesh=mesh, batch_size=batch_size)
+                compare_kernels(
+                    guard, what, dec, hand_written(local_energy, mesh, "walker", batch_size), params, r, True
                 )
-                report.row(8, f"{what}: walkers per second (decorated)", f"{n / median(times['decorated']):,.0f}")
-                memory = temp_bytes(dec.lower(params, r).compile()) / 2**20
-                report.row(8, f"{what}: temporary memory per device ({n_params} parameters)", f"{memory:,.1f} MiB")
 
             guard.row(8, what, run)
     if sizes.o2_walkers:
@@ -249,18 +252,7 @@ def kernel_rows(guard: Guard, mesh: Any, sizes: Sizes) -> None:
                     decorated_energy(system.O2, mesh, output),
                     hand_written(system.O2.local_energy, mesh, output),
                 )
-                rat, times, _ = ratio_row(
-                    guard, {"decorated": lambda: dec(params, r), "hand": lambda: hand(params, r)}, "decorated", "hand"
-                )
-                diff = rel_diff(dec(params, r), hand(params, r))
-                report.row(
-                    8,
-                    f"{what}: decorated / hand-written (max rel diff {diff:.1e})",
-                    str(rat),
-                    "<= 1.02",
-                    rat.median <= 1.02,
-                )
-                report.row(8, f"{what}: walkers per second (decorated)", f"{n / median(times['decorated']):,.0f}")
+                compare_kernels(guard, what, dec, hand, params, r, False)
 
             guard.row(8, what, run_o2)
 

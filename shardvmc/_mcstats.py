@@ -260,19 +260,9 @@ def _kernel(block: Any, mesh: Mesh | None, axis_name: str | tuple[str, ...]) -> 
     return walker_parallel(block, mesh=mesh, axis_name=axis_name, batched=True)
 
 
-def _series(where: str, x: Any, n_valid: Any) -> tuple[Any, Any]:
-    """``(data, n_valid)`` of a ``(walkers, steps)`` series (array or ``WalkerSet``), checked, as floats."""
+def _series(where: str, x: Any) -> Any:
+    """``x``, a ``(walkers, steps)`` series (array or ``WalkerSet``), checked and as floats."""
     data, count = split_walker_set(x)
-    if count is not None:
-        if n_valid is not None and not isinstance(n_valid, jax.core.Tracer) and int(n_valid) != count:
-            raise CallError(
-                message(
-                    where,
-                    f"n_valid={int(n_valid)} disagrees with the WalkerSet's n_valid={count}.",
-                    fix="omit n_valid= (the WalkerSet carries the count), or pass the same count.",
-                )
-            )
-        n_valid = count if count != np.shape(data)[0] else None
     if not hasattr(data, "shape") or not hasattr(data, "dtype"):
         data = np.asarray(data)
     if np.ndim(data) != 2 or 0 in np.shape(data):
@@ -292,7 +282,7 @@ def _series(where: str, x: Any, n_valid: Any) -> tuple[Any, Any]:
         )
     if not jnp.issubdtype(data.dtype, jnp.inexact):
         data = jnp.asarray(data, jnp.result_type(float))
-    return data, n_valid
+    return data if count is None else x.replace(data=data)
 
 
 def statistics(
@@ -339,8 +329,8 @@ def statistics(
         >>> bool(abs(stats.mean + 2.9) < 5 * stats.error_of_mean), int(stats.ess) > 5000
         (True, True)
     """
-    data, n_valid = _series(_WHERE, x, n_valid)
-    return _kernel(_series_block, mesh, axis_name)(data, n_valid=n_valid)
+    # A WalkerSet's count and n_valid= are reconciled (and a disagreement refused) by the kernel.
+    return _kernel(_series_block, mesh, axis_name)(_series(_WHERE, x), n_valid=n_valid)
 
 
 # ----------------------------------------------------------------------------- streaming
