@@ -91,7 +91,8 @@ class Stats:
         err_f = float(err)
         digits = max(math.ceil(-math.log10(err_f)), 0) + 1 if math.isfinite(err_f) and err_f > 1e-12 else 4
         if np.iscomplexobj(mean):
-            mean_s = f"{mean.real:.{digits}f}{mean.imag:+.{digits}f}j"
+            value = complex(mean)
+            mean_s = f"{value.real:.{digits}f}{value.imag:+.{digits}f}j"
         else:
             mean_s = f"{float(mean):.{digits}f}"
         return f"{mean_s} ± {err_f:.{digits}f} [σ²={float(var):.{digits}f}, τ={float(tau):.1f}, R̂={float(rhat):.4f}]"
