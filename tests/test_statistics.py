@@ -283,3 +283,13 @@ def test_bad_inputs_are_call_errors():
         sv.StatsAccumulator.create(jnp.ones(8), max_blocks=7)
     with pytest.raises(sv.CallError, match="one value per walker"):
         sv.StatsAccumulator.create(jnp.ones(8)).update(jnp.ones(9))
+
+
+def test_the_series_is_never_gathered():
+    x = sv.shard_walker(ar1(16, 64, 0.5, seed=17))
+    hlo = jax.jit(sv.statistics).lower(x).compile().as_text()
+    for collective in ("all-gather", "all-to-all", "collective-permute"):
+        assert collective not in hlo, collective
+    reduced = re.findall(r"= (\(.*?\)|\S+) all-reduce(?:-start)?\(", hlo)
+    assert 1 <= len(reduced) <= 2, reduced  # the mean, then every sum of the second pass
+    assert "f64[16,64]" not in " ".join(reduced)
