@@ -18,6 +18,8 @@ PUBLIC = {
     "walker_mean", "walker_sum", "jtj", "jtv",
     # natural gradient
     "natural_gradient", "NaturalGradientInfo",
+    # Monte Carlo statistics
+    "statistics", "Stats", "StatsAccumulator",
     # errors and warnings
     "ShardvmcError", "DecorationError", "CallError", "UnhashableStaticError", "PaddingWarning",
     "CommunicationWarning",

@@ -53,6 +53,24 @@ def test_set_cpu_devices_keeps_an_existing_count_and_adds_the_scheduler_flag(mon
     ]
 
 
+def test_set_cpu_devices_keeps_openblas_to_one_thread_per_fake_device(monkeypatch):
+    from jax._src import xla_bridge
+
+    from shardvmc.testing import set_cpu_devices
+
+    monkeypatch.setattr(xla_bridge, "backends_are_initialized", lambda: False)
+    monkeypatch.delenv("OPENBLAS_NUM_THREADS", raising=False)
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
+    set_cpu_devices(8)  # the existing count, one device, wins: OpenBLAS keeps its threads
+    assert "OPENBLAS_NUM_THREADS" not in os.environ
+    monkeypatch.setenv("XLA_FLAGS", "")
+    set_cpu_devices(8)
+    assert os.environ["OPENBLAS_NUM_THREADS"] == "1"
+    monkeypatch.setenv("OPENBLAS_NUM_THREADS", "4")  # the user's choice wins
+    set_cpu_devices(8)
+    assert os.environ["OPENBLAS_NUM_THREADS"] == "4"
+
+
 def test_set_cpu_devices_refuses_a_started_backend():
     from shardvmc.testing import set_cpu_devices
 
