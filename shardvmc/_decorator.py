@@ -83,6 +83,7 @@ class WalkerParallel:
         self._layout = layout
         self._spec = KernelSpec.of(fn, layout, options, self._qualname)
         self._no_parts: tuple[None, ...] = (None,) * len(self._spec.dyn_idx)
+        self._auto = options.batch_size == "auto"
         # Without a missing marker, a call with every argument positional skips Signature.bind: the common case.
         self._n_params = -1 if self._missing else len(layout.signature.parameters)
         outputs = layout.output if isinstance(layout.output, tuple) else (layout.output,)
@@ -158,7 +159,11 @@ class WalkerParallel:
             if not _is_leaf_type(dyn[j]):  # a pytree, a model container: split off its non-arrays
                 dyn, parts = self._partition(dyn)
                 break
-        n = leading_count(dyn[spec.walker_idx[0]]) if spec.walker_idx else None
+        n = None
+        if spec.walker_idx:
+            first = dyn[spec.walker_idx[0]]
+            shape = getattr(first, "shape", None)  # one array: one attribute lookup
+            n = int(shape[0]) if shape else leading_count(first)
         if n is None:
             n = check_inputs(spec.qualname, spec.layout, dyn, spec.dyn_params)
         # A WalkerSet's count is part of its pytree structure: compiled in. An explicit n_valid= is data: one
@@ -177,7 +182,7 @@ class WalkerParallel:
             mesh = resolve_mesh(mesh, self._options.axis_name, where=self._qualname)
             if self._mesh is not None:
                 self._checked_mesh = mesh  # a fixed mesh= is checked once, at the first call
-        key = (mesh, spec.statics_of(args), parts, n, key_count, auto_signature(spec, dyn))
+        key = (mesh, spec.statics_of(args), parts, n, key_count, auto_signature(spec, dyn) if self._auto else None)
         try:
             plan = self._plans[key]
         except KeyError:

@@ -125,24 +125,21 @@ class Plan:
             devices, read at the first concrete call).
     """
 
-    __slots__ = ("batch_size", "call", "key", "replicated_check", "run", "spec", "_unchecked")
+    __slots__ = ("batch_size", "call", "key", "mesh", "replicated_check", "run", "spec", "_unchecked")
 
     def __init__(
         self, spec: KernelSpec, key: PlanKey, run: Callable[..., Any], batch_size: int | None, replicated_check: str
     ) -> None:
         self.spec = spec
         self.key = key
+        self.mesh: Mesh = key.mesh
+        """The mesh the program runs on."""
         self.run = run
         self.batch_size = batch_size
         self.replicated_check = replicated_check
         self._unchecked = replicated_check == "values"
         # What a call runs: the program itself, or, when the values are compared, the method that reads them.
         self.call: Callable[..., Any] = self.run if replicated_check != "values" else self._checked_call
-
-    @property
-    def mesh(self) -> Mesh:
-        """The mesh the program runs on."""
-        return self.key.mesh
 
     @property
     def n_devices(self) -> int:
