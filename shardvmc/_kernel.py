@@ -22,11 +22,10 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from . import _compat
-from ._errors import CallError, message
+from ._errors import CallError, describe, message
 from ._markers import Kind, Layout, Param
 from ._placement import pad_n_walkers, pad_walker
 from ._stats import Body, body_context, current_body, local_indices, masked, mean_of, psum_tree, row_sum
-from ._walkerset import describe
 
 __all__ = [
     "BODY_NOTE",

@@ -23,7 +23,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from . import _compat
-from ._errors import CallError, message
+from ._errors import CallError, describe, message
 from ._memory import compiled_memory, device_memory_budget, format_bytes
 from ._mesh import resolve_mesh
 from ._placement import leading_size, pad_n_walkers, pad_walker
@@ -321,14 +321,6 @@ def estimate_bytes(method: str, n: int, p: int, d: int, itemsize: int, *, rows: 
     raise ValueError(method)
 
 
-def _describe(x: Any) -> str:
-    return str(jax.tree_util.tree_map(lambda a: f"{getattr(a, 'dtype', type(a).__name__)}{list(np.shape(a))}", x))
-
-
-def _abstract(x: Any, sharding: NamedSharding) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x), sharding=sharding)
-
-
 @functools.cache
 def _compile(cfg: _Config, mesh: Mesh, axis: str, treedef: Any, signature: tuple[Any, ...]) -> Any:
     """Lower and compile the solver for abstract inputs: ``(compiled, CompiledMemory)``. Nothing runs."""
@@ -554,7 +546,7 @@ def natural_gradient(
                 message(
                     _WHERE,
                     "previous does not have J's parameter structure.",
-                    got=_describe(previous),
+                    got=describe(previous),
                     expected=f"{p} parameters in all",
                     fix="pass the update returned by the previous call.",
                 )
@@ -620,7 +612,7 @@ def _agree_n_valid(n_valid: Any, *counts: int | None) -> Any:
 def _check_shapes(leaves: list[Any], J: Any, e: Any) -> int:
     """The walker count N of J and e; ``CallError`` naming the shapes when they do not fit."""
     if not leaves:
-        raise CallError(message(_WHERE, "J has no array leaves.", got=_describe(J), fix="pass an (N, P) array."))
+        raise CallError(message(_WHERE, "J has no array leaves.", got=describe(J), fix="pass an (N, P) array."))
     n = leading_size(J, _WHERE, "J")
     for leaf in leaves:
         if np.ndim(leaf) < 1 or not jnp.issubdtype(jnp.result_type(leaf), jnp.inexact):
@@ -628,7 +620,7 @@ def _check_shapes(leaves: list[Any], J: Any, e: Any) -> int:
                 message(
                     _WHERE,
                     "J must hold floating-point (or complex) arrays with the walker axis first.",
-                    got=_describe(J),
+                    got=describe(J),
                     fix="pass the log-derivatives as float arrays of shape (N, P) (or (N, ...) leaves).",
                 )
             )
@@ -637,7 +629,7 @@ def _check_shapes(leaves: list[Any], J: Any, e: Any) -> int:
             message(
                 _WHERE,
                 "e must hold one local energy per walker of J.",
-                got=f"J {_describe(J)}, e {_describe(e)}",
+                got=f"J {describe(J)}, e {describe(e)}",
                 expected=f"e of shape ({n},)",
                 fix="pass the per-walker local energies (a PerWalker output), not their mean.",
             )
@@ -676,7 +668,7 @@ def _budget_message(
     return message(
         _WHERE,
         f"no solver fits the per-device memory budget of {format_bytes(budget)} (method={method!r}).",
-        got=f"J {_describe(J)} on mesh {dict(mesh.shape)}; tried: " + "; ".join(tried),
+        got=f"J {describe(J)} on mesh {dict(mesh.shape)}; tried: " + "; ".join(tried),
         fix=fix,
     )
 

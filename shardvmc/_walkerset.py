@@ -9,19 +9,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._errors import CallError, message
+from ._errors import CallError, describe, message
 
-__all__ = ["WalkerSet", "check_n_valid", "describe", "split_walker_set"]
-
-
-def describe(tree: Any) -> str:
-    """A pytree with each leaf shown as ``dtype[shape]`` (or its type name), for messages."""
-
-    def one(x: Any) -> str:
-        dtype = getattr(x, "dtype", None)
-        return f"{dtype}{list(np.shape(x))}" if dtype is not None else type(x).__name__
-
-    return str(jax.tree_util.tree_map(one, tree))
+__all__ = ["WalkerSet", "check_n_valid", "split_walker_set"]
 
 
 @jax.tree_util.register_pytree_node_class

@@ -11,15 +11,22 @@ import shardvmc as sv
 from shardvmc.testing import assert_replicated, assert_walker_sharded
 
 
-def test_assert_walker_sharded(mesh):
+@pytest.mark.parametrize("n_devices", [3, 8])
+def test_assert_walker_sharded(n_devices):
+    mesh = sv.create_mesh(jax.devices()[:n_devices])
     tree = sv.shard_walker({"r": np.zeros((24, 3)), "t": 1.0}, mesh)
     assert_walker_sharded(tree, mesh)
     bad = {"r": tree["r"], "p": sv.replicate(np.zeros((24, 3)), mesh), "q": jnp.zeros((24, 3))}
-    if mesh.devices.size == 1:
-        return  # on one device, replicated and sharded are the same layout
     with pytest.raises(AssertionError) as err:
         assert_walker_sharded(bad, mesh)
     assert "['p']" in str(err.value) and "['r']" not in str(err.value) and "2 leaves" in str(err.value)
+
+
+def test_on_one_device_replicated_and_walker_sharded_are_one_layout():
+    mesh = sv.create_mesh(jax.devices()[:1])
+    assert_walker_sharded({"p": sv.replicate(np.zeros((24, 3)), mesh)}, mesh)
+    with pytest.raises(AssertionError, match=r"\['p'\]"):  # but not on another mesh
+        assert_walker_sharded({"p": sv.replicate(np.zeros((24, 3)), mesh)}, sv.create_mesh(jax.devices()[:2]))
 
 
 def test_assert_replicated():
