@@ -58,6 +58,7 @@ def log_psi(params: dict, r: jax.Array, system: System) -> jax.Array:
     return jnp.log(jnp.abs(jnp.sum(head["det_weights"] * signs * jnp.exp(logdets - shift)))) + shift
 
 
+# --8<-- [start:loss]
 def make_loss(
     system: System,
     *,
@@ -107,3 +108,6 @@ def make_loss(
         return (loss, aux), (jnp.dot(psi_tangent, diff) / e_l.shape[0], aux)
 
     return total_energy
+
+
+# --8<-- [end:loss]
