@@ -21,7 +21,7 @@ far those moved.
 
 Usage (from the repository root)::
 
-    python benchmarks/kfac.py                 # about 2 minutes on 2 cores
+    python benchmarks/kfac.py                 # several minutes on 2 cores (eight compilations)
     python benchmarks/kfac.py --quick         # tiny sizes (still two minutes: eight compilations)
 """
 
@@ -33,7 +33,7 @@ import time
 from harness import count_collectives, fill_defaults, fmt_collectives, interleaved, ratio
 
 QUICK = {"walkers": 32, "hidden": 8, "layers": 1, "determinants": 1, "reps": 3}
-DEFAULTS = {"walkers": 512, "hidden": 32, "layers": 2, "determinants": 4, "reps": 21}
+DEFAULTS = {"walkers": 256, "hidden": 16, "layers": 2, "determinants": 2, "reps": 15}
 
 
 def parse_args(argv=None):
@@ -125,10 +125,10 @@ def main(argv=None):
 
     opt = runs["shardvmc/1"]["opt"]
     _, kernel = opt._kernels()
-    plan = (1, *_kfac_compat.curvature_flags(opt.kfac_optimizer, runs["shardvmc/1"]["t"]))
+    plan = _kfac_compat.curvature_flags(opt.kfac_optimizer, runs["shardvmc/1"]["t"])
     opt._trace_step = runs["shardvmc/1"]["t"]
     lowered = kernel.lower(opt._replicated(runs["shardvmc/1"]["p"]), opt._replicated(runs["shardvmc/1"]["s"]), key,
-                           (opt._batch(batch, "b"),), None, None,
+                           opt._batch(batch, "batch"), None, None,
                            *opt._replicated([jnp.asarray(0.0), jnp.asarray(1e-3)]), plan)  # fmt: skip
     collectives = fmt_collectives(count_collectives(lowered.compile()))
 

@@ -94,13 +94,14 @@ _WHERE = "shardvmc.kfac.Optimizer"
 
 
 class DiagonalBlockWarning(UserWarning):
-    """kfac-jax found no layer for some parameters and gave them diagonal (generic) curvature blocks.
+    """kfac-jax could not see the network's layers and gave their parameters diagonal curvature blocks.
 
-    Raised by :meth:`Optimizer.init` when the loss runs its network through
-    ``shard_map`` (a shardvmc kernel called outside this optimiser, or any
-    ``jax.shard_map``), whose inside kfac-jax's graph matcher does not read, or when it
-    found no layer at all. The step then preconditions those parameters with a diagonal
-    estimate from the block's gradient, far from the Kronecker-factored one.
+    Warned by :meth:`Optimizer.init` and :func:`check_curvature_blocks` when the loss
+    runs part of its computation inside ``shard_map`` (a shardvmc kernel called outside
+    this optimiser, or ``jax.shard_map``), whose inside kfac-jax's graph matcher does
+    not read, or when it found no dense or convolution layer at all. The step then
+    preconditions those parameters with a diagonal estimate from each device's batch
+    gradient, far from the Kronecker-factored one.
     """
 
 
@@ -181,6 +182,18 @@ class Optimizer:
                         fix=f"drop {name}=.",
                     )
                 )
+        burnin = kwargs.get("num_burnin_steps", 10)  # kfac-jax's default
+        if burnin:
+            raise CallError(
+                message(
+                    _WHERE,
+                    f"num_burnin_steps={burnin} (kfac-jax's default is 10) is not supported: kfac-jax's burn-in "
+                    "makes its accumulator with jax.device_put_replicated, which JAX 0.10 removed (it fails under "
+                    "kfac-jax's own pmap too, in 0.0.8 and at its source head).",
+                    fix="pass num_burnin_steps=0, FermiNet's setting (the curvature estimate then starts from the "
+                    "first step's statistics).",
+                )
+            )
         if not isinstance(pmap_axis_name, str):
             raise CallError(
                 message(
@@ -198,11 +211,12 @@ class Optimizer:
         self._axis = pmap_axis_name
         self._mesh = mesh
         self._has_state = bool(kwargs.get("value_func_has_state", False))
-        self._burnin = int(kwargs.get("num_burnin_steps", 10))
         self._warn = bool(kwargs.get("use_automatic_registration", True)) and not kwargs.get(
             "register_only_generic", False
         )
-        self._block_size: int | None = None
+        self._block_size = 0  # walkers per device, set by init (kfac-jax reads the network from that shape)
+        self._size = 0  # devices of the mesh
+        self._kmesh: Mesh | None = None  # the mesh's devices on one axis named pmap_axis_name
         self._trace_step = 0  # the step number the step kernel is being traced for (see _step_body)
         self._init_kernel: WalkerParallel | None = None
         self._step_kernel: WalkerParallel | None = None
@@ -222,7 +236,8 @@ class Optimizer:
     def _kernels(self) -> tuple[WalkerParallel, WalkerParallel]:
         if self._init_kernel is None or self._step_kernel is None:
             self._mesh = resolve_mesh(self._mesh, "walkers", where=_WHERE) if self._mesh is None else self._mesh
-            mesh = _walker_mesh(self._mesh, self._axis)
+            mesh = self._kmesh = _walker_mesh(self._mesh, self._axis)
+            self._size = int(mesh.devices.size)
             r, w, s = Kind.REPLICATED, Kind.PER_WALKER, Kind.STATIC
             self._init_kernel = _kernel(
                 self._init_body, (("params", r), ("rng", r), ("batch", w), ("func_state", r)), r, mesh, self._axis
@@ -230,7 +245,7 @@ class Optimizer:
             n_out = 4 if self._has_state else 3
             self._step_kernel = _kernel(
                 self._step_body,
-                (("params", r), ("state", r), ("rng", r), ("batches", w), ("func_state", r), ("learning_rate", r))
+                (("params", r), ("state", r), ("rng", r), ("batch", w), ("func_state", r), ("learning_rate", r))
                 + (("momentum", r), ("damping", r), ("plan", s)),
                 (r,) * n_out,
                 mesh,
@@ -247,7 +262,7 @@ class Optimizer:
         params: Any,
         state: Any,
         rng: Any,
-        batches: tuple[Any, ...],
+        batch: Any,
         func_state: Any,
         learning_rate: Any,
         momentum: Any,
@@ -257,14 +272,14 @@ class Optimizer:
         data_seen = state.data_seen
         rng = jax.random.fold_in(rng, jax.lax.axis_index(self._axis))
         with self._kfac.staging_context():
-            # The program depends on the step number only through `plan` (the compilation key); the number
-            # itself is the one being traced for, so kfac-jax takes the same branches.
+            # The program depends on the step number only through `plan` (the compilation key; burn-in at step 0
+            # is refused in __init__); the number itself is the one being traced for, so kfac-jax takes the same
+            # branches.
             out = self._kfac.step(
                 params,
                 state,
                 rng,
-                data_iterator=iter(batches) if len(batches) > 1 else None,
-                batch=batches[0] if len(batches) == 1 else None,
+                batch=batch,
                 func_state=func_state,
                 learning_rate=learning_rate,
                 momentum=momentum,
@@ -273,7 +288,7 @@ class Optimizer:
             )
         new_state, stats = out[1], out[-1]
         new_state.estimator_state = _kfac_compat.sync_estimator(self._kfac, new_state.estimator_state, self._axis)
-        n_walkers = self._block_size * int(np.asarray(self._mesh.devices).size)
+        n_walkers = self._block_size * self._size
         new_state.data_seen = data_seen + n_walkers
         stats["data_seen"] = new_state.data_seen
         stats["batch_size"] = jnp.asarray(n_walkers, jnp.int32)
@@ -283,8 +298,8 @@ class Optimizer:
 
     def _batch(self, batch: Any, what: str) -> Any:
         """The walker data of ``batch`` on the mesh, its padding dropped; ``CallError`` when it cannot split evenly."""
-        assert self._mesh is not None
-        size = int(np.asarray(self._mesh.devices).size)
+        assert self._mesh is not None and self._kmesh is not None
+        size = self._size
         data, n_valid = (batch.data, batch.n_valid) if isinstance(batch, WalkerSet) else (batch, None)
         n = leading_size(data, _WHERE, what)
         if n_valid is not None and n_valid < n:
@@ -314,7 +329,7 @@ class Optimizer:
                     fix=f"use {n - n % size or size} or {pad_n_walkers(n, size)} walkers.",
                 )
             )
-        if self._block_size is not None and n // size != self._block_size:
+        if self._block_size and n // size != self._block_size:
             raise CallError(
                 message(
                     _WHERE,
@@ -326,10 +341,8 @@ class Optimizer:
             )
         # Host data is sliced per device (each process sends only its own walkers); jax.Arrays are moved (or,
         # already split this way, relabelled).
-        sharding = NamedSharding(_walker_mesh(self._mesh, self._axis), PartitionSpec(self._axis))
-        return jax.tree_util.tree_map(
-            lambda x: _on(x, sharding, lambda y: shard_walker(y, sharding.mesh, self._axis)), data
-        )
+        mesh, sharding = self._kmesh, NamedSharding(self._kmesh, PartitionSpec(self._axis))
+        return jax.tree_util.tree_map(lambda x: _on(x, sharding, lambda y: shard_walker(y, mesh, self._axis)), data)
 
     def _replicated(self, tree: Any) -> Any:
         """``tree`` replicated on the mesh: host data is copied there; arrays already there are relabelled.
@@ -337,8 +350,9 @@ class Optimizer:
         ``jax.device_put`` onto an equivalent sharding aliases the buffers (no copy); it
         gives every step's inputs the same sharding, hence one compilation for all steps.
         """
-        sharding = NamedSharding(_walker_mesh(self._mesh, self._axis), PartitionSpec())
-        return jax.tree_util.tree_map(lambda x: _on(x, sharding, lambda y: replicate(y, sharding.mesh)), tree)
+        assert self._kmesh is not None
+        mesh, sharding = self._kmesh, NamedSharding(self._kmesh, PartitionSpec())
+        return jax.tree_util.tree_map(lambda x: _on(x, sharding, lambda y: replicate(y, mesh)), tree)
 
     def init(self, params: Any, rng: jax.Array, batch: Any, func_state: Any = None) -> Any:
         """kfac-jax's ``init`` on a walker-sharded ``batch``; returns its state, replicated.
@@ -356,7 +370,7 @@ class Optimizer:
         """
         init_kernel, _ = self._kernels()
         data = self._batch(batch, "batch")
-        self._block_size = leading_size(data, _WHERE, "batch") // int(np.asarray(self._mesh.devices).size)
+        self._block_size = leading_size(data, _WHERE, "batch") // self._size
         state = init_kernel(self._replicated(params), _key(rng), data, self._replicated(func_state))
         if self._warn:
             check_curvature_blocks(self._kfac, params, stacklevel=3)
@@ -384,8 +398,7 @@ class Optimizer:
             params: the parameters, replicated.
             state: the optimiser state (from :meth:`init` or the previous step).
             rng: a PRNG key, a new one every step.
-            data_iterator: yields batches; on step 0 with ``num_burnin_steps > 0``,
-                ``num_burnin_steps + 1`` of them are drawn.
+            data_iterator: yields batches; one is drawn per step.
             batch: a ``sv.WalkerSet`` or a pytree with the walker axis first.
             func_state: the loss's state, when ``value_func_has_state=True``.
             learning_rate: as for kfac-jax (when there is no schedule).
@@ -418,26 +431,13 @@ class Optimizer:
                 )
             global_step_int = int(np.asarray(jax.device_get(counter)))
         step = int(global_step_int)
-        burnin = self._burnin if step == 0 else 0
-        if data_iterator is not None:
-            batches = tuple(self._batch(next(data_iterator), "a batch of data_iterator") for _ in range(burnin + 1))
-        else:
-            if burnin:
-                raise CallError(
-                    message(
-                        f"{_WHERE}.step",
-                        f"step 0 with num_burnin_steps={burnin} needs data_iterator= (kfac-jax draws a batch for "
-                        "each burn-in step).",
-                        fix="pass data_iterator=, or build the optimiser with num_burnin_steps=0 (FermiNet's setting).",
-                    )
-                )
-            batches = (self._batch(batch, "batch"),)
+        data = self._batch(next(data_iterator) if data_iterator is not None else batch, "batch")
         _, step_kernel = self._kernels()
-        plan = (len(batches), *_kfac_compat.curvature_flags(self._kfac, step))
+        plan = _kfac_compat.curvature_flags(self._kfac, step)
         scalars = self._replicated([None if x is None else jnp.asarray(x) for x in (learning_rate, momentum, damping)])
         params, state, func_state = self._replicated((params, state, func_state))
         self._trace_step = step
-        return step_kernel(params, state, _key(rng), batches, func_state, *scalars, plan)
+        return step_kernel(params, state, _key(rng), data, func_state, *scalars, plan)
 
 
 _DIAGONAL = frozenset({"generic", "scale_and_shift"})  # kfac-jax's layer tags whose blocks are diagonal

@@ -35,6 +35,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, NamedTuple
 
@@ -175,7 +176,7 @@ def natural_gradient(
         True
     """
     spring = method == "spring"
-    options = dict(
+    options: dict[str, Any] = dict(
         damping=damping,
         method=method,
         momentum=momentum,
@@ -216,7 +217,7 @@ def natural_gradient(
             jacobian, local_energies, n_valid=n_valid, previous=state.previous if spring else None, **options
         )
         previous = None
-        if spring:
+        if state.previous is not None:  # SPRING
             leaves = jax.tree_util.tree_leaves(direction)
             previous = jnp.concatenate([jnp.ravel(x) for x in leaves]).astype(state.previous.dtype)
         new_state = NaturalGradientState(
@@ -232,7 +233,8 @@ def _rows_times(jacobian: Any, updates: Any, where: str) -> jax.Array:
     j_leaves, j_tree = jax.tree_util.tree_flatten(jacobian)
     d_leaves, d_tree = jax.tree_util.tree_flatten(updates)
     if j_tree == d_tree and all(np.shape(j)[1:] == np.shape(d) for j, d in zip(j_leaves, d_leaves)):
-        return sum(jnp.tensordot(j, d.astype(j.dtype), axes=np.ndim(d)) for j, d in zip(j_leaves, d_leaves))
+        products = [jnp.tensordot(j, d.astype(j.dtype), axes=np.ndim(d)) for j, d in zip(j_leaves, d_leaves)]
+        return functools.reduce(jnp.add, products)
     if len(j_leaves) == 1 and np.ndim(j_leaves[0]) == 2 and np.shape(j_leaves[0])[1] == _flat_size(updates):
         return j_leaves[0] @ ravel_pytree(updates)[0].astype(j_leaves[0].dtype)
     raise CallError(

@@ -190,7 +190,8 @@ def test_another_batch_size_and_a_traced_state_are_refused(runs):
 
 
 def test_unsupported_kfac_arguments_are_refused():
-    for bad in ({"multi_device": True}, {"debug": True}, {"use_initial_damping_calibration": True}):
+    for bad in ({"multi_device": True}, {"debug": True}, {"use_initial_damping_calibration": True},
+                {"num_burnin_steps": 2}):  # fmt: skip
         with pytest.raises(sv.CallError, match="not supported"):
             svk.Optimizer(lambda *args: None, **dict(KFAC, **bad))
 
@@ -282,3 +283,58 @@ def test_importing_without_kfac_jax_says_how_to_install_it():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
     assert "pip install shardvmc[kfac]" in out.stdout
+
+
+# ----------------------------------------------------------------------------- as a user would call it
+
+
+def _dense_loss(params, batch):
+    """A one-layer loss in FermiNet's calling convention (a block of walkers, its own pmean), cheap to compile."""
+    y = jnp.tanh(batch["r"] @ params["w"] + params["b"]) * batch["weight"][:, None]
+    kfac_jax.register_squared_error_loss(y)
+    return kfac_jax.utils.pmean_if_pmap(jnp.mean(y**2), kfac_loss.AXIS)
+
+
+DENSE = dict(l2_reg=0.0, norm_constraint=1e-3, learning_rate_schedule=lambda t: 0.1, pmap_axis_name=kfac_loss.AXIS)
+
+
+def _dense_problem(n):
+    rng = np.random.default_rng(0)
+    params = {"w": jnp.asarray(rng.normal(size=(3, 4)) / 3), "b": jnp.zeros(4)}
+    batch = {"r": rng.normal(size=(n, 3)), "weight": np.ones(n)}  # host data, a pytree with the walker axis first
+    return params, batch
+
+
+def test_explicit_meshes_pytree_batches_and_steps_inside_jit():
+    mesh = jax.make_mesh((2,), ("walkers",))  # JAX's default: Explicit axes
+    params, batch = _dense_problem(8)
+    opt = svk.Optimizer(jax.value_and_grad(_dense_loss), num_burnin_steps=0, mesh=mesh, **DENSE)
+    state = opt.init(params, _keys(0), batch)
+    p1, s1, stats = opt.step(params, state, _keys(1), batch=batch, momentum=0.0, damping=1e-3)
+    # nested in the caller's jit: kfac-jax needs the step number as a Python int (its issue 103)
+    jitted = jax.jit(lambda p, s, b: opt.step(p, s, _keys(1), batch=b, momentum=0.0, damping=1e-3, global_step_int=0))
+    p2, s2, _ = jitted(params, state, sv.shard_walker(batch, sv.create_mesh(jax.devices()[:2])))
+    assert _max_diff(p1, p2) <= 1e-6 and int(s2.step_counter) == int(s1.step_counter) == 1
+    assert float(stats["loss"]) > 0 and int(stats["batch_size"]) == 8
+
+
+def test_data_iterators_give_one_batch_per_step_and_burn_in_is_refused():
+    params, batch = _dense_problem(8)
+    mesh = sv.create_mesh(jax.devices()[:2])
+    with pytest.raises(sv.CallError, match="num_burnin_steps=10 .*device_put_replicated"):
+        svk.Optimizer(jax.value_and_grad(_dense_loss), mesh=mesh, **DENSE)  # kfac-jax's default burn-in
+    opt = svk.Optimizer(jax.value_and_grad(_dense_loss), num_burnin_steps=0, mesh=mesh, **DENSE)
+    state = opt.init(params, _keys(0), batch)
+    drawn = []
+
+    def batches():
+        while True:
+            drawn.append(len(drawn))
+            yield batch
+
+    it = batches()
+    p, state, _ = opt.step(params, state, _keys(1), data_iterator=it, momentum=0.0, damping=1e-3)
+    p2, _, _ = opt.step(params, opt.init(params, _keys(0), batch), _keys(1), batch=batch, momentum=0.0, damping=1e-3)
+    assert len(drawn) == 1 and _max_diff(p, p2) == 0.0
+    with pytest.raises(sv.CallError, match="exactly one of batch= and data_iterator="):
+        opt.step(p, state, _keys(2), data_iterator=it, batch=batch, momentum=0.0, damping=1e-3)
