@@ -11,8 +11,9 @@ How it runs (the choice, and why): the whole kfac-jax step runs inside one
 ``batched=True`` walker-parallel kernel whose mesh axis is named ``pmap_axis_name``,
 with kfac-jax's staging switched off (``staging_context()``) and its step number given
 (``global_step_int``, kfac-jax issue 103). Each device runs exactly what FermiNet's
-``pmap`` runs on it, with the same collectives over the same axis, so the step is
-FermiNet's to round-off on any device count (tested on 1, 3 and 8). The other route
+``pmap`` runs on it, with the same collectives over the same axis, so with FermiNet's
+settings the step is FermiNet's to round-off on any device count (tested on 1, 3 and
+8). The other route
 that matches, ``kfac_jax.Optimizer(multi_device=False)`` under ``jit`` with GSPMD
 placing the walkers, needs a loss without collectives (FermiNet's ``pmean`` must go)
 and leaves the communication to XLA's partitioner; this one keeps the user's loss as
@@ -22,16 +23,22 @@ as plain vmaps on the block, where kfac-jax's graph matcher sees the layers.
 
 Differences from kfac-jax's own ``pmap`` step, each deliberate:
 
-- the curvature estimate is averaged over the devices after every step (kfac-jax
-  averages it only when it inverts), so the state is the same on every device and
-  carries over to another device count; the estimates are moving averages, linear in
-  the statistics, so the updates agree to round-off;
+- the curvature estimate is averaged over the devices after every step, so the state
+  is the same on every device and carries over to another device count. kfac-jax
+  averages it only when it inverts: with FermiNet's ``inverse_update_period=1`` that is
+  every step too (the average here then costs nothing), with a longer period kfac-jax's
+  devices precondition with their own estimates in between, and the updates drift
+  apart (shardvmc's state is the mean of kfac-jax's per-device ones: tested);
 - ``data_seen`` and ``stats["batch_size"]`` count the walkers of the mesh (kfac-jax
   multiplies by ``jax.device_count()``, wrong on a mesh of fewer devices);
 - nothing is donated (kfac-jax's ``pmap`` step donates ``params`` and ``state``);
 - the loss's ``rng`` on device ``i`` is ``jax.random.fold_in(rng, i)``: one key per
   device, as FermiNet's ``make_different_rng_key_on_all_devices`` gives (a loss that
   splits its key by its block size draws streams that depend on the device count).
+
+kfac-jax's burn-in (``num_burnin_steps > 0``, its default 10) calls
+``jax.device_put_replicated``, which JAX 0.10 removed, and is refused: pass
+``num_burnin_steps=0``, FermiNet's setting. See ``docs/optimisers.md``.
 
 Padding walkers cannot be masked out of a loss shardvmc does not write (its means, its
 gradient and kfac's curvature all average the block), so a batch whose walkers do not

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import kfac_jax
 
-from . import ferminet, hamiltonian
+from . import ferminet, hamiltonian, orbitals
 from .systems import System
 
 AXIS = "qmc_pmap_axis"
@@ -54,8 +54,7 @@ def log_psi(params: dict, r: jax.Array, system: System) -> jax.Array:
         phi = ((hs @ q["w"] + q["b"]) * env).reshape(n_s, k, n_s).transpose(1, 0, 2)
         s, ld = jnp.linalg.slogdet(phi)
         signs, logdets = signs * s, logdets + ld
-    shift = jax.lax.stop_gradient(jnp.max(logdets))
-    return jnp.log(jnp.abs(jnp.sum(head["det_weights"] * signs * jnp.exp(logdets - shift)))) + shift
+    return orbitals.log_sum_dets(signs, logdets, head["det_weights"])[1]
 
 
 # --8<-- [start:loss]
