@@ -157,9 +157,11 @@ def _jit(library: str, fn: Callable[..., Any]) -> Callable[..., Any]:
 LIBRARIES = ["linen", "nnx", "equinox", "haiku"]
 
 
+CELLS = [(library, "auto") for library in LIBRARIES] + [("equinox", "explicit"), ("nnx", "explicit")]
+
+
 @pytest.mark.filterwarnings("ignore::shardvmc.PaddingWarning")
-@pytest.mark.parametrize("mesh_kind", ["auto", "explicit"])
-@pytest.mark.parametrize("library", LIBRARIES)
+@pytest.mark.parametrize(("library", "mesh_kind"), CELLS, ids=[f"{a}-{b}" for a, b in CELLS])
 def test_every_kernel_equals_vmap(library: str, mesh_kind: str) -> None:
     m, log_psi = model(library)
     mesh = sv.create_mesh() if mesh_kind == "auto" else jax.make_mesh((8,), ("walkers",))
