@@ -32,6 +32,12 @@ assert _spec is not None and _spec.loader is not None
 mp_worker = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(mp_worker)
 
+DATA = ROOT / "tests" / "data"
+_legacy_spec = importlib.util.spec_from_file_location("make_legacy_checkpoints", DATA / "make_legacy_checkpoints.py")
+assert _legacy_spec is not None and _legacy_spec.loader is not None
+legacy = importlib.util.module_from_spec(_legacy_spec)
+_legacy_spec.loader.exec_module(legacy)
+
 
 @chex.dataclass
 class State:
@@ -394,6 +400,202 @@ def test_save_rejects_bad_arguments(tmp_path: Path) -> None:
     with pytest.raises(sv.CallError, match="save_walkers: the leaves of tree have different leading"):
         sv.save_walkers(tmp_path / "c.npz", {"r": np.ones((8, 3)), "s": np.ones(7)})
     assert list(tmp_path.iterdir()) == []
+
+
+# ---------------------------------------------------------------- files written by 0.2.0
+
+
+@pytest.mark.parametrize(("name", "x64"), [("walkers_v1.npz", True), ("walkers_v2.npz", False)], ids=["v1", "v2"])
+def test_checkpoints_written_by_0_2_0_still_load(name: str, x64: bool, mesh: Any) -> None:
+    """The committed files (one process of 8 devices; 2 processes x 2 devices) load onto 1, 3 and 8 devices."""
+    with jax.enable_x64(x64):
+        host = legacy.walkers(x64)
+        ck = sv.load_walkers(DATA / name, host, mesh)
+        assert (ck.n_valid, ck.walkers.n_valid, ck.metadata) == (
+            legacy.N_VALID,
+            legacy.N_VALID,
+            {"written_by": "0.2.0"},
+        )
+        assert_same_walkers(ck.walkers.data, host, legacy.N_VALID)
+        assert ck.walkers.data["r"].dtype == (jnp.float64 if x64 else jnp.float32)
+        more = sv.load_walkers(DATA / name, host, mesh, n_walkers=2 * legacy.N_VALID + 1)
+        source = [i % legacy.N_VALID for i in range(2 * legacy.N_VALID + 1)]
+        np.testing.assert_array_equal(np.asarray(more.walkers.data["r"])[: len(source)], host["r"][source])
+
+
+# ---------------------------------------------------------------- damaged and hand-edited files (issue 17, item 8)
+
+
+def _copy_v1(tmp_path: Path) -> Path:
+    path = tmp_path / "walkers.npz"
+    shutil.copy(DATA / "walkers_v1.npz", path)
+    return path
+
+
+def _load_v1(path: Path) -> Any:
+    with jax.enable_x64(True):
+        return sv.load_walkers(path, legacy.walkers(True), sv.create_mesh(jax.devices()[:1]))
+
+
+def _assert_names_the_file(info: pytest.ExceptionInfo, path: Path) -> None:
+    text = str(info.value)
+    assert text.startswith("load_walkers: ") and str(path) in text and "fix:" in text, text
+
+
+def _central_directory(data: bytes) -> tuple[int, int]:
+    """Start and end (the end of the end-of-central-directory record) of a zip's central directory."""
+    eocd = data.rfind(b"PK\x05\x06")
+    start = int.from_bytes(data[eocd + 16 : eocd + 20], "little")
+    return start, eocd + 22
+
+
+def test_every_flipped_byte_of_the_zip_directory_is_a_call_error_or_loads_exactly(tmp_path: Path) -> None:
+    """Each byte of the first two central-directory records (every field once, twice) and of the end record,
+    flipped: the same walkers, or a CallError naming the file."""
+    path = _copy_v1(tmp_path)
+    original = (DATA / "walkers_v1.npz").read_bytes()
+    start, end = _central_directory(original)
+    offsets = [*range(start, start + 2 * (46 + len("leaf_0.npy"))), *range(end - 22, end)]
+    host = legacy.walkers(True)
+    outcomes: dict[str, int] = {}
+    for offset in offsets:
+        damaged = bytearray(original)
+        damaged[offset] ^= 0xFF
+        path.write_bytes(bytes(damaged))
+        try:
+            ck = _load_v1(path)
+        except sv.CallError as err:
+            assert str(path) in str(err), (offset, str(err))
+            outcomes["CallError"] = outcomes.get("CallError", 0) + 1
+            continue
+        except Exception as err:  # noqa: BLE001 - the point: nothing else may come out
+            pytest.fail(f"byte {offset} flipped: {type(err).__name__}: {err}")
+        with jax.enable_x64(True):
+            assert_same_walkers(ck.walkers.data, host, legacy.N_VALID)
+        outcomes["loaded"] = outcomes.get("loaded", 0) + 1
+    assert outcomes.get("CallError", 0) > len(offsets) // 2, outcomes
+
+
+def _set_central_field(offset_in_header: int, value: bytes) -> Any:
+    """Damage: overwrite a field of the first central-directory entry (version needed, compression, ...)."""
+
+    def damage(data: bytearray) -> None:
+        start, _ = _central_directory(bytes(data))
+        data[start + offset_in_header : start + offset_in_header + len(value)] = value
+
+    return damage
+
+
+def _set_local_field(offset_in_header: int, value: bytes) -> Any:
+    def damage(data: bytearray) -> None:
+        data[offset_in_header : offset_in_header + len(value)] = value
+
+    return damage
+
+
+@pytest.mark.parametrize(
+    ("damage", "excerpt"),
+    [
+        (_set_central_field(6, b"\xff\x00"), "truncated or corrupted"),  # version needed to extract: 255
+        (_set_central_field(10, b"\x63\x00"), "truncated or corrupted"),  # compression method 99
+        (_set_central_field(8, b"\x01\x00"), "truncated or corrupted"),  # flag: encrypted
+        (_set_local_field(0, b"PK\x00\x00"), "truncated or corrupted"),  # the first entry's local header
+    ],
+    ids=["zip-version", "compression-method", "encrypted", "local-header"],
+)
+def test_unsupported_zip_features_are_call_errors(tmp_path: Path, damage: Any, excerpt: str) -> None:
+    path = _copy_v1(tmp_path)
+    data = bytearray(path.read_bytes())
+    damage(data)
+    path.write_bytes(bytes(data))
+    with pytest.raises(sv.CallError, match=excerpt) as info:
+        _load_v1(path)
+    _assert_names_the_file(info, path)
+
+
+def _edit_header(path: Path, edit: Any) -> None:
+    """Rewrite the JSON header of the .npz at ``path`` with ``edit(header)`` (as a person with an editor would)."""
+    with np.load(path, allow_pickle=False) as data:
+        arrays = {name: data[name] for name in data.files}
+    header = json.loads(bytes(arrays["__shardvmc__"]).decode())
+    edit(header)
+    arrays["__shardvmc__"] = np.frombuffer(json.dumps(header).encode(), np.uint8)
+    np.savez(path, **arrays)
+
+
+def _leaf(name: str, key: str, value: Any) -> Any:
+    def edit(header: dict) -> None:
+        (entry,) = [e for e in header["leaves"] if e["path"] == f"['{name}']"]
+        entry[key] = value
+
+    return edit
+
+
+def _top(key: str, value: Any) -> Any:
+    def edit(header: dict) -> None:
+        header[key] = value
+
+    return edit
+
+
+@pytest.mark.parametrize(
+    ("edit", "excerpt"),
+    [
+        (_top("n_valid", 0), "n_valid"),
+        (_top("n_valid", -3), "n_valid"),
+        (_top("n_valid", True), "n_valid"),
+        (_top("n_valid", 17), "n_valid is 17, but leaf"),
+        (lambda h: [h.update(n_valid=0), *(e.update(shape=[0, *e["shape"][1:]]) for e in h["leaves"])], "n_valid"),
+        (_top("leaves", {"r": 1}), "malformed header"),
+        (_top("metadata", [1]), "malformed header"),
+        (_leaf("keys", "key_impl", "no_such_rng"), "no_such_rng"),
+        (_leaf("keys", "key_impl", 7), "key"),
+        (_leaf("keys", "key_impl", "rbg"), "inconsistent"),
+        (_leaf("r", "dtype", "float32"), "was saved as float32"),
+        (_leaf("r", "dtype", "float99"), "float99"),
+        (_leaf("r", "shape", [11, -2, 3]), "shape"),
+        (_leaf("r", "shape", "11, 2, 3"), "shape"),
+        (_leaf("r", "path", 5), "malformed header"),
+        (lambda h: h["leaves"].pop(), "another structure"),
+        (lambda h: h.pop("n_valid"), "malformed header"),
+    ],
+    ids=[
+        "n_valid-0",
+        "n_valid-negative",
+        "n_valid-bool",
+        "n_valid-above-rows",
+        "n_valid-0-everywhere",
+        "leaves-not-a-list",
+        "metadata-not-a-dict",
+        "unknown-key-impl",
+        "key-impl-not-a-name",
+        "other-key-impl",
+        "other-dtype",
+        "unknown-dtype",
+        "negative-shape",
+        "shape-not-a-list",
+        "path-not-a-string",
+        "fewer-leaves-than-entries",
+        "no-n_valid",
+    ],
+)
+def test_hand_edited_headers_are_call_errors_naming_the_file(tmp_path: Path, edit: Any, excerpt: str) -> None:
+    path = _copy_v1(tmp_path)
+    _edit_header(path, edit)
+    with pytest.raises(sv.CallError, match=excerpt) as info:
+        _load_v1(path)
+    _assert_names_the_file(info, path)
+
+
+def test_a_header_that_is_not_json_is_a_call_error(tmp_path: Path) -> None:
+    path = _copy_v1(tmp_path)
+    with np.load(path, allow_pickle=False) as data:
+        arrays = {name: data[name] for name in data.files}
+    arrays["__shardvmc__"] = np.frombuffer(b"\xff{not json", np.uint8)
+    np.savez(path, **arrays)
+    with pytest.raises(sv.CallError, match="truncated or corrupted") as info:
+        _load_v1(path)
+    _assert_names_the_file(info, path)
 
 
 # ---------------------------------------------------------------- several processes
