@@ -3,7 +3,8 @@
 Run with shardvmc 0.2.0 (commit cee389f on main) importable, from the repository root:
 
     python tests/data/make_legacy_checkpoints.py one tests/data
-    python -m shardvmc.launch -n 2 --devices-per-process 2 -- python tests/data/make_legacy_checkpoints.py two tests/data
+    python -m shardvmc.launch -n 2 --devices-per-process 2 -- \\
+        python tests/data/make_legacy_checkpoints.py two tests/data
 
 ``one``: ``walkers_v1.npz``, one process of 8 devices, float64 (format version 1).
 ``two``: ``walkers_v2.npz`` with its data directory, 2 processes x 2 devices (format version 2).
