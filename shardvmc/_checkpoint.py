@@ -72,18 +72,114 @@ class Checkpoint(NamedTuple):
     metadata: dict[str, Any]
 
 
-def _is_key(dtype: Any) -> bool:
+def is_key_dtype(dtype: Any) -> bool:
+    """Whether ``dtype`` is a typed PRNG key dtype."""
     return dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key)
 
 
-def _dtype(leaf: Any) -> Any:
+def jax_dtype(leaf: Any) -> Any:
     """The dtype ``leaf`` has (or would have) as a JAX array under the current x64 setting."""
     dtype = getattr(leaf, "dtype", None)
-    return dtype if _is_key(dtype) else jnp.result_type(leaf)
+    return dtype if is_key_dtype(dtype) else jnp.result_type(leaf)
 
 
-def _path(path: Any) -> str:
+def path_name(path: Any) -> str:
+    """A pytree path as messages and headers show it (``['r']``; ``<root>`` for the root)."""
     return jax.tree_util.keystr(path) or "<root>"
+
+
+def checked_metadata(where: str, metadata: Any) -> dict[str, Any]:
+    """``metadata`` as a dict that JSON can store, else a ``CallError``."""
+    if metadata is not None and not isinstance(metadata, Mapping):
+        raise CallError(
+            message(where, "metadata must be a dict.", got=type(metadata).__name__, fix="pass metadata={...}.")
+        )
+    meta = dict(metadata or {})
+    try:
+        json.dumps(meta)
+    except (TypeError, ValueError) as err:
+        raise CallError(
+            message(
+                where,
+                "metadata cannot be stored as JSON.",
+                got=str(err),
+                fix="store numbers, strings, lists and dicts only (e.g. float(energy) instead of a jax.Array).",
+            )
+        ) from None
+    return meta
+
+
+def restored_count(where: str, path: Path, saved: int, expected: int | None, n_walkers: Any) -> int:
+    """The number of walkers to restore of ``saved``: ``n_walkers``, checked, else the saved count.
+
+    ``expected`` is the count of a ``WalkerSet`` given as ``like`` (``None``: any).
+    """
+    if n_walkers is not None:
+        if isinstance(n_walkers, bool) or not isinstance(n_walkers, (int, np.integer)) or n_walkers < 1:
+            raise CallError(
+                message(
+                    where,
+                    "n_walkers must be a positive int, the number of walkers to restore.",
+                    got=repr(n_walkers),
+                    fix=f"pass n_walkers=None for the saved {saved}, or a count such as {saved}.",
+                )
+            )
+        return int(n_walkers)
+    if expected is not None and expected != saved:
+        raise CallError(
+            message(
+                where,
+                f"{str(path)!r} holds {saved} walkers, but the WalkerSet `like` expects {expected}.",
+                got=f"{saved} saved walkers",
+                expected=f"{expected} (like.n_valid)",
+                fix=f"pass n_walkers={expected} to restore {expected} walkers from the {saved} saved "
+                "(duplicates need burn-in), or a `like` of the saved count.",
+            )
+        )
+    return saved
+
+
+def resized(saved: int, restored: int) -> dict[str, Any]:
+    """What ``metadata[sv.RESIZED]`` says after restoring ``restored`` walkers of ``saved``."""
+    return {
+        "saved": saved,
+        "restored": restored,
+        "duplicated": max(0, restored - saved),
+        "dropped": max(0, saved - restored),
+        "needs_burn_in": restored > saved,
+    }
+
+
+def dtype_error(where: str, path: Path, name: str, saved: str, dtype: Any) -> CallError:
+    """Leaf ``name`` of the checkpoint at ``path`` was saved as ``saved``, ``like`` has ``dtype``."""
+    return CallError(
+        message(
+            where,
+            f"leaf {name} was saved as {saved}, but `like` has {dtype}.",
+            got=f"saved dtype {saved} in {str(path)!r}",
+            expected=f"{dtype} (from `like`)",
+            fix="give `like` the saved dtype (and the jax_enable_x64 setting it was saved with), "
+            "then convert after loading.",
+        )
+    )
+
+
+def structure_error(where: str, path: Path, have: list[str], want: list[str], what: str) -> CallError:
+    """The pytree saved in ``path`` (leaf paths ``have``) is not the one of ``like`` (``want``)."""
+    missing = [p for p in have if p not in want]
+    extra = [p for p in want if p not in have]
+    return CallError(
+        message(
+            where,
+            f"the pytree saved in {str(path)!r} has another structure than `like`.",
+            got=f"saved leaves {have}",
+            expected=f"leaves of `like` {want}"
+            + (f"; only in the file: {missing}" if missing else "")
+            + (f"; only in `like`: {extra}" if extra else ""),
+            fix=f"pass a `like` with the structure of the saved {what} (same dict keys, tuple lengths and "
+            "dataclass fields, in the same order).",
+        )
+    )
 
 
 def _stored(leaf: np.ndarray, dtype: Any, key: bool) -> np.ndarray:
@@ -199,31 +295,16 @@ def save_walkers(
     n_valid = set_count if n_valid is None else n_valid
     check_n_valid(where, n_valid, n)
     count = n if n_valid is None else int(n_valid)
-    if metadata is not None and not isinstance(metadata, Mapping):
-        raise CallError(
-            message(where, "metadata must be a dict.", got=type(metadata).__name__, fix="pass metadata={...}.")
-        )
-    meta = dict(metadata or {})
-    try:
-        json.dumps(meta)
-    except (TypeError, ValueError) as err:
-        raise CallError(
-            message(
-                where,
-                "metadata cannot be stored as JSON.",
-                got=str(err),
-                fix="store numbers, strings, lists and dicts only (e.g. float(energy) instead of a jax.Array).",
-            )
-        ) from None
+    meta = checked_metadata(where, metadata)
 
     entries, leaves = [], []
     for path_, leaf in jax.tree_util.tree_flatten_with_path(data)[0]:
-        dtype = _dtype(leaf)
-        key_impl = str(jax.random.key_impl(leaf)) if _is_key(dtype) else None
+        dtype = jax_dtype(leaf)
+        key_impl = str(jax.random.key_impl(leaf)) if is_key_dtype(dtype) else None
         shape = list(np.shape(leaf))
         if shape:
             shape[0] = count
-        entries.append({"path": _path(path_), "dtype": str(dtype), "shape": shape, "key_impl": key_impl})
+        entries.append({"path": path_name(path_), "dtype": str(dtype), "shape": shape, "key_impl": key_impl})
         leaves.append((jax.random.key_data(leaf) if key_impl else leaf, dtype, bool(key_impl)))
     header = {
         "format": _FORMAT,
@@ -652,13 +733,7 @@ def load_walkers(
     target = saved if n_walkers is None else int(n_walkers)
     metadata = dict(header["metadata"])
     if target != saved:
-        metadata[RESIZED] = {
-            "saved": saved,
-            "restored": target,
-            "duplicated": max(0, target - saved),
-            "dropped": max(0, saved - target),
-            "needs_burn_in": target > saved,
-        }
+        metadata[RESIZED] = resized(saved, target)
     return Checkpoint(WalkerSet(tree, target), target, metadata)
 
 
@@ -669,46 +744,12 @@ def _load(
     path, header = reader.path, reader.header
     entries = header["leaves"]
     flat, treedef = jax.tree_util.tree_flatten_with_path(like)
-    want = [_path(p) for p, _ in flat]
+    want = [path_name(p) for p, _ in flat]
     have = [e["path"] for e in entries]
     if want != have:
-        missing = [p for p in have if p not in want]
-        extra = [p for p in want if p not in have]
-        raise CallError(
-            message(
-                where,
-                f"the pytree saved in {str(path)!r} has another structure than `like`.",
-                got=f"saved leaves {have}",
-                expected=f"leaves of `like` {want}"
-                + (f"; only in the file: {missing}" if missing else "")
-                + (f"; only in `like`: {extra}" if extra else ""),
-                fix="pass a `like` with the structure of the saved walkers (same dict keys, tuple lengths and "
-                "dataclass fields, in the same order).",
-            )
-        )
+        raise structure_error(where, path, have, want, "walkers")
     saved = header["n_valid"]
-    if n_walkers is not None:
-        if isinstance(n_walkers, bool) or not isinstance(n_walkers, (int, np.integer)) or n_walkers < 1:
-            raise CallError(
-                message(
-                    where,
-                    "n_walkers must be a positive int, the number of walkers to restore.",
-                    got=repr(n_walkers),
-                    fix=f"pass n_walkers=None for the saved {saved}, or a count such as {saved}.",
-                )
-            )
-    elif expected_count is not None and expected_count != saved:
-        raise CallError(
-            message(
-                where,
-                f"{str(path)!r} holds {saved} walkers, but the WalkerSet `like` expects {expected_count}.",
-                got=f"{saved} saved walkers",
-                expected=f"{expected_count} (like.n_valid)",
-                fix=f"pass n_walkers={expected_count} to restore {expected_count} walkers from the {saved} saved "
-                "(duplicates need burn-in), or a `like` of the saved count.",
-            )
-        )
-    target = saved if n_walkers is None else int(n_walkers)
+    target = restored_count(where, path, saved, expected_count, n_walkers)
     n_pad = pad_n_walkers(target, _compat.axis_size(mesh, axis_name))
     rows = np.arange(n_pad)
     source = np.where(rows < target, rows % saved, 0)  # padding: copies of walker 0
@@ -716,18 +757,9 @@ def _load(
     leaves = []
     for i, ((_, model), entry) in enumerate(zip(flat, entries)):
         name = entry["path"]
-        dtype = _dtype(model)
+        dtype = jax_dtype(model)
         if str(dtype) != entry["dtype"]:
-            raise CallError(
-                message(
-                    where,
-                    f"leaf {name} was saved as {entry['dtype']}, but `like` has {dtype}.",
-                    got=f"saved dtype {entry['dtype']} in {str(path)!r}",
-                    expected=f"{dtype} (from `like`)",
-                    fix="give `like` the saved dtype (and the jax_enable_x64 setting it was saved with), "
-                    "then convert after loading.",
-                )
-            )
+            raise dtype_error(where, path, name, entry["dtype"], dtype)
         model_shape, saved_shape = tuple(np.shape(model)), tuple(entry["shape"])
         if (len(model_shape) == 0) != (len(saved_shape) == 0) or model_shape[1:] != saved_shape[1:]:
             raise CallError(
