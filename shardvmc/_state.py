@@ -429,6 +429,10 @@ def _restore(
     ]
     n_devices = _compat.axis_size(mesh, axis_name)
     walker_sharding = get_walker_sharding(mesh, axis_name)
+    # The padding and cycling below are plain array operations, which Explicit axes would make
+    # ask for output shardings: they run on an Auto view of the same devices.
+    auto_mesh = Mesh(mesh.devices, mesh.axis_names)
+    auto_sharding = get_walker_sharding(auto_mesh, axis_name)
     replicated = get_replicated_sharding(mesh)
     restore_args: dict[str, Any] = {}
     for i, entry in enumerate(header["leaves"]):
@@ -439,7 +443,7 @@ def _restore(
             # orbax reads the rows each device gets (zeros past the saved ones); _relayout then pads or cycles.
             rows = pad_n_walkers(targets[entry["set"]], n_devices)
             restore_args[str(i)] = ocp.ArrayRestoreArgs(
-                sharding=walker_sharding, global_shape=(rows, *shape[1:]), dtype=dtype, strict=False
+                sharding=auto_sharding, global_shape=(rows, *shape[1:]), dtype=dtype, strict=False
             )
         elif entry["kind"] == "array":
             restore_args[str(i)] = ocp.ArrayRestoreArgs(sharding=replicated, global_shape=shape, dtype=dtype)
@@ -467,7 +471,10 @@ def _restore(
             s = sets[entry["set"]]
             target, saved = targets[entry["set"]], s["n_valid"]
             if value.shape[0] > target or target > saved:  # padding rows to fill, or walkers to repeat
-                value = _relayout(value, target, saved, walker_sharding)
+                with jax.set_mesh(auto_mesh):  # (also under a jax.set_mesh context of the Explicit mesh)
+                    value = _relayout(value, target, saved, auto_sharding)
+            if auto_sharding != walker_sharding:
+                value = jax.device_put(value, walker_sharding)
         elif entry["kind"] == "numpy":
             if value.shape != shape:
                 raise _broken(where, directory, f"is inconsistent: leaf {entry['path']} has another shape.")
@@ -802,7 +809,8 @@ def load_state(
     for checkpointer in list(_LIVE):  # a write of this process to this directory finishes first
         if checkpointer.directory == directory:
             checkpointer.wait()
-    options = ocp.CheckpointManagerOptions(read_only=True, save_interval_steps=0, create=False)
+    # (not read_only=True, which logs a warning on every restore; this manager never saves)
+    options = ocp.CheckpointManagerOptions(create=False, enable_async_checkpointing=False)
     manager = ocp.CheckpointManager(directory, options=options, item_names=(_ARRAYS, _HEADER))
     try:
         steps = manager.all_steps()
