@@ -9,7 +9,8 @@ training step, the loop) and launches it as
 parameter dict, an optax Adam state, the step, a typed key, a NumPy array), a
 :class:`sv.Checkpointer` saves it as step 1 and waits; process 0 writes the walkers
 it saw (gathered) to ``DIR/saved.json``; then a larger state is saved as step 2 and
-process 1 kills itself (SIGKILL) once its own part of that write has started.
+process 1 kills itself (SIGKILL) as soon as that asynchronous save returns, while its
+part is being written.
 ``train``: :func:`run` trains until preempted, saving every 5 steps; each process
 writes ``DIR/ready_<process>.json`` (its pid) once it is stepping, and, when
 :func:`sv.distributed.reached_preemption` says so, saves the step, waits for the
@@ -19,6 +20,7 @@ write, writes ``DIR/preempted_<process>.json`` and exits with
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -39,14 +41,14 @@ EVERY = 5  # steps between periodic saves
 ADAM = optax.adam(0.05)
 
 
-def make_state(mesh: Any, n_valid: int = N_VALID, n_electrons: int = 2) -> dict[str, Any]:
+def _init_walker(key: jax.Array) -> dict[str, Any]:
+    position, walker_key = jax.random.split(key)
+    return {"r": jax.random.normal(position, (2, 3), jnp.float64), "key": walker_key}
+
+
+def make_state(mesh: Any, n_valid: int = N_VALID) -> dict[str, Any]:
     """A deterministic training state on ``mesh`` (needs jax_enable_x64): every kind of leaf a VMC run holds."""
-
-    def init(key: jax.Array) -> dict[str, Any]:
-        position, walker_key = jax.random.split(key)
-        return {"r": jax.random.normal(position, (n_electrons, 3), jnp.float64), "key": walker_key}
-
-    walkers = sv.initialize_walkers_sharded(init, n_valid, mesh, key=jax.random.key(11))
+    walkers = sv.initialize_walkers_sharded(_init_walker, n_valid, mesh, key=jax.random.key(11))
     params = sv.replicate({"a": jnp.array([0.8], jnp.float64), "b": jnp.array([0.1, -0.2, 0.05], jnp.float64)}, mesh)
     opt = ADAM.init(params)
     for k in range(2):  # non-zero moments and count, as in a running optimisation
@@ -66,6 +68,7 @@ def _log_psi(params: Any, r: jax.Array) -> jax.Array:
     return -params["a"][0] * jnp.sum(r**2) + jnp.sum(params["b"] * r.sum(0))
 
 
+@functools.cache
 def make_train_step(mesh: Any) -> Any:
     """``step(state) -> (state, energy)``: a Metropolis move, the mean local energy, one Adam step (jitted)."""
 
@@ -160,10 +163,7 @@ def save(directory: str) -> None:
             lambda k: jax.random.normal(k, (512, 8), jnp.float64), 2048, mesh, key=jax.random.key(1)
         )
         ckpt.save(2, {**state, "big": big}, metadata={"version": 2})
-        if jax.process_index() == 1:
-            deadline = time.monotonic() + 60
-            while time.monotonic() < deadline and not list(path.glob("2.orbax-checkpoint-tmp*/arrays/*process_1*")):
-                time.sleep(0.001)
+        if jax.process_index() == 1:  # the save returned: its 32 MiB of this process are being written
             os.kill(os.getpid(), signal.SIGKILL)
         ckpt.wait()
     print("the second save completed", flush=True)  # never reached: process 1 is gone, the group is stopped
