@@ -46,14 +46,20 @@ def _init_walker(key: jax.Array) -> dict[str, Any]:
     return {"r": jax.random.normal(position, (2, 3), jnp.float64), "key": walker_key}
 
 
+@jax.jit
+def _params_and_optimiser() -> tuple[dict[str, jax.Array], Any]:
+    """The parameters and an Adam state with non-zero moments and count, as in a running optimisation."""
+    params = {"a": jnp.array([0.8], jnp.float64), "b": jnp.array([0.1, -0.2, 0.05], jnp.float64)}
+    opt = ADAM.init(params)
+    for k in range(2):
+        _, opt = ADAM.update(jax.tree.map(lambda p: jnp.sin(p + k), params), opt, params)
+    return params, opt
+
+
 def make_state(mesh: Any, n_valid: int = N_VALID) -> dict[str, Any]:
     """A deterministic training state on ``mesh`` (needs jax_enable_x64): every kind of leaf a VMC run holds."""
     walkers = sv.initialize_walkers_sharded(_init_walker, n_valid, mesh, key=jax.random.key(11))
-    params = sv.replicate({"a": jnp.array([0.8], jnp.float64), "b": jnp.array([0.1, -0.2, 0.05], jnp.float64)}, mesh)
-    opt = ADAM.init(params)
-    for k in range(2):  # non-zero moments and count, as in a running optimisation
-        grads = jax.tree.map(lambda p: jnp.sin(p + k), params)
-        _, opt = ADAM.update(grads, opt, params)
+    params, opt = sv.replicate(_params_and_optimiser(), mesh)
     return {
         "walkers": walkers,
         "params": params,

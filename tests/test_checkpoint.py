@@ -927,7 +927,7 @@ def test_the_save_returns_once_the_state_is_on_the_host(tmp_path: Path) -> None:
 
 
 def test_a_checkpointer_keeps_the_last_steps(tmp_path: Path) -> None:
-    mesh = sv.create_mesh(jax.devices()[:2])
+    mesh = sv.create_mesh(jax.devices()[:4])
     with jax.enable_x64(True):
         state = state_worker.make_state(mesh)
         with sv.Checkpointer(tmp_path / "run", keep=2) as ckpt:
@@ -1319,7 +1319,7 @@ def test_a_process_killed_during_a_multi_process_save_leaves_the_previous_state(
     path = tmp_path / "state"
     shutil.copytree(directory / "state", path)
     with jax.enable_x64(True):
-        mesh = sv.create_mesh(jax.devices()[:2])
+        mesh = sv.create_mesh(jax.devices()[:3])
         state = state_worker.make_state(mesh)
         with sv.Checkpointer(path) as ckpt:
             assert ckpt.steps() == [1] and ckpt.restore(state, mesh=mesh)[1] == {"version": 1}
@@ -1370,7 +1370,7 @@ def test_sigterm_to_one_process_makes_every_process_save_the_same_step_and_exit(
     with sv.Checkpointer(directory / "state") as ckpt:
         assert ckpt.latest_step() == step
         with jax.enable_x64(True):
-            mesh = sv.create_mesh(jax.devices()[:2])
+            mesh = sv.create_mesh(jax.devices()[:3])
             restored, meta = ckpt.restore(state_worker.make_state(mesh), mesh=mesh)
     assert restored["step"] == step and meta["preempted"] is True
 
