@@ -805,6 +805,15 @@ def load_state(
     path = Path(path).absolute()
     if not path.exists():
         raise FileNotFoundError(f"{where}: {str(path)!r} does not exist.")
+    if not path.is_dir():
+        raise CallError(
+            message(
+                where,
+                f"{str(path)!r} is a file, not a state checkpoint (a directory).",
+                fix="pass the directory given to sv.save_state or sv.Checkpointer; read walker files (.npz) with "
+                "sv.load_walkers.",
+            )
+        )
     directory, step = _step_directory(path)
     for checkpointer in list(_LIVE):  # a write of this process to this directory finishes first
         if checkpointer.directory == directory:

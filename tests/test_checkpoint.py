@@ -1057,6 +1057,39 @@ def test_load_state_of_nothing(tmp_path: Path) -> None:
     (tmp_path / "empty").mkdir()
     with pytest.raises(sv.CallError, match="holds no shardvmc state checkpoint"):
         sv.load_state(tmp_path / "empty", {"x": 1})
+    with pytest.raises(sv.CallError, match=r"(?s)is a file, not a state checkpoint.*sv.load_walkers"):
+        sv.load_state(DATA / "walkers_v1.npz", {"x": 1})
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # kfac-jax 0.0.8's own use of jax.core names
+def test_a_kfac_jax_optimiser_state_round_trips(tmp_path: Path) -> None:
+    kfac_jax = pytest.importorskip("kfac_jax")
+
+    def loss(params: Any, batch: Any) -> jax.Array:
+        x, y = batch
+        out = jnp.tanh(x @ params["w1"] + params["b1"]) @ params["w2"]
+        kfac_jax.register_squared_error_loss(out, y)
+        return jnp.mean((out - y) ** 2)
+
+    params = {"w1": jnp.full((3, 4), 0.1), "b1": jnp.zeros(4), "w2": jnp.full((4, 1), 0.1)}
+    optimizer = kfac_jax.Optimizer(
+        value_and_grad_func=jax.value_and_grad(loss),
+        l2_reg=0.0,
+        use_adaptive_learning_rate=True,
+        use_adaptive_momentum=True,
+        use_adaptive_damping=True,
+        initial_damping=1.0,
+        multi_device=False,
+    )
+    mesh = sv.create_mesh(jax.devices()[:4])
+    state = sv.replicate(optimizer.init(params, jax.random.key(0), (jnp.ones((8, 3)), jnp.ones((8, 1)))), mesh)
+    sv.save_state(tmp_path / "kfac", {"params": sv.replicate(params, mesh), "kfac": state})
+    like = {"params": params, "kfac": state}
+    restored, _ = sv.load_state(tmp_path / "kfac", like, mesh=sv.create_mesh(jax.devices()[:3]))
+    assert type(restored["kfac"]) is type(state)
+    for got, want in zip(jax.tree_util.tree_leaves(restored["kfac"]), jax.tree_util.tree_leaves(state)):
+        assert got.dtype == want.dtype and got.sharding.is_fully_replicated
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
 def _header_file(path: Path) -> Path:
