@@ -986,6 +986,16 @@ def test_python_and_numpy_leaves_keep_their_kind(tmp_path: Path) -> None:
             assert got == want, name
 
 
+def test_walkers_held_as_host_data_restore_sharded(tmp_path: Path) -> None:
+    walkers = sv.WalkerSet({"r": np.arange(10.0, dtype=np.float32).reshape(5, 2)}, n_valid=4)
+    sv.save_state(tmp_path / "s", {"walkers": walkers})
+    mesh = sv.create_mesh(jax.devices()[:3])
+    restored, _ = sv.load_state(tmp_path / "s", {"walkers": walkers}, mesh=mesh)
+    r = restored["walkers"].data["r"]
+    assert restored["walkers"].n_valid == 4 and r.shape == (6, 2) and r.sharding == sv.get_walker_sharding(mesh)
+    np.testing.assert_array_equal(np.asarray(r), walkers.data["r"][[0, 1, 2, 3, 0, 0]])
+
+
 def _inconsistent_walker_set() -> sv.WalkerSet:
     """A set claiming more valid walkers than it holds (the constructor refuses it; unflattening does not)."""
     return jax.tree_util.tree_unflatten(
@@ -1319,11 +1329,72 @@ def test_reached_preemption_checks_its_arguments() -> None:
 # ---------------------------------------------------------------- training states, several processes
 
 
+class _Background:
+    """A launch running in the background; its output is collected, and ``stop`` ends it whatever happens."""
+
+    def __init__(self, command: list[str], env: dict[str, str]) -> None:
+        self.proc = subprocess.Popen(
+            command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        self.lines: list[str] = []
+        self.reader = threading.Thread(target=lambda: self.lines.extend(self.proc.stdout or []), daemon=True)
+        self.reader.start()
+
+    @property
+    def output(self) -> str:
+        return "".join(self.lines)
+
+    def wait(self, timeout: float) -> int:
+        return self.proc.wait(timeout=timeout)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()  # the launcher stops its processes (SIGTERM, then SIGKILL after --grace)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.reader.join(30)
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+
+
 @pytest.fixture(scope="module")
-def state_saved_by_two_processes(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict, str]:
-    """2 processes x 2 devices save a state as step 1; process 1 is killed during the save of step 2."""
-    directory = tmp_path_factory.mktemp("state_two_processes")
-    code, output = _launch(2, 2, "save", directory, worker=STATE_WORKER)
+def state_launches(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Both 2 x 2 launches of the state tests, run at the same time.
+
+    ``save``: the processes save a state as step 1; process 1 is killed during the
+    asynchronous save of step 2. ``train``: a training run; SIGTERM to process 1 once
+    both processes are stepping.
+    """
+    save_dir, train_dir = tmp_path_factory.mktemp("state_two_processes"), tmp_path_factory.mktemp("preempted")
+    launches = {
+        "save": _Background(*_launcher(2, 2, "save", save_dir, worker=STATE_WORKER)),
+        "train": _Background(*_launcher(2, 2, "train", train_dir, worker=STATE_WORKER, grace=20)),
+    }
+    try:
+        deadline = time.monotonic() + 240
+        train = launches["train"]
+        ready = [train_dir / f"ready_{p}.json" for p in (0, 1)]
+        while not all(r.exists() for r in ready) and train.proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert all(r.exists() for r in ready), train.output
+        os.kill(json.loads(ready[1].read_text())["pid"], signal.SIGTERM)
+        codes = {name: launch.wait(timeout=max(deadline - time.monotonic(), 60)) for name, launch in launches.items()}
+    finally:
+        for launch in launches.values():
+            launch.stop()
+    return {
+        "save": (save_dir, codes["save"], launches["save"].output),
+        "train": (train_dir, codes["train"], launches["train"].output),
+    }
+
+
+@pytest.fixture(scope="module")
+def state_saved_by_two_processes(state_launches: dict[str, Any]) -> tuple[Path, dict, str]:
+    """2 processes x 2 devices saved a state as step 1; process 1 was killed during the save of step 2."""
+    directory, code, output = state_launches["save"]
     assert code in (128 + signal.SIGKILL, 1), output  # the kill, or process 0's broken collective, first
     assert "the second save completed" not in output
     return directory, json.loads((directory / "saved.json").read_text()), output
@@ -1361,36 +1432,12 @@ def test_a_process_killed_during_a_multi_process_save_leaves_the_previous_state(
 
 
 @pytest.fixture(scope="module")
-def preempted_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, int, list[dict], str]:
-    """A 2 x 2 training run; SIGTERM to process 1 once both are stepping."""
-    directory = tmp_path_factory.mktemp("preempted")
-    command, env = _launcher(2, 2, "train", directory, worker=STATE_WORKER, grace=20)
-    proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    output: list[str] = []
-    reader = threading.Thread(target=lambda: output.extend(proc.stdout or []), daemon=True)
-    reader.start()
-    try:
-        deadline = time.monotonic() + 240
-        ready = [directory / f"ready_{p}.json" for p in (0, 1)]
-        while not all(r.exists() for r in ready) and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert all(r.exists() for r in ready), "".join(output)
-        os.kill(json.loads(ready[1].read_text())["pid"], signal.SIGTERM)
-        code = proc.wait(timeout=max(deadline - time.monotonic(), 60))
-    finally:
-        if proc.poll() is None:
-            proc.terminate()  # the launcher stops its processes
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        reader.join(30)
-        if proc.stdout is not None:
-            proc.stdout.close()
-    text = "".join(output)
-    records = [json.loads((directory / f"preempted_{p}.json").read_text()) for p in (0, 1)]
-    return directory, code, records, text
+def preempted_run(state_launches: dict[str, Any]) -> tuple[Path, int, list[dict], str]:
+    """A 2 x 2 training run that got SIGTERM in process 1: its directory, exit code, the processes' records."""
+    directory, code, output = state_launches["train"]
+    files = [directory / f"preempted_{p}.json" for p in (0, 1)]
+    assert all(f.exists() for f in files), output
+    return directory, code, [json.loads(f.read_text()) for f in files], output
 
 
 def test_sigterm_to_one_process_makes_every_process_save_the_same_step_and_exit(
