@@ -172,7 +172,7 @@ def steps(args: argparse.Namespace) -> dict[str, Any]:
 
     import shardvmc as sv
 
-    config = nv.Config(system=args.system, walkers=args.walkers)
+    config = nv.Config(system=args.system, walkers=args.walkers, sweeps=args.sweeps)
     mesh = sv.create_mesh()
     root = jax.random.key(config.seed)
     with jax.enable_x64(True), sv.use_mesh(mesh):
@@ -218,6 +218,7 @@ def steps(args: argparse.Namespace) -> dict[str, Any]:
                 plain.append(pair["plain"])
                 saving.append(pair["saving"])
                 ratios.append(pair["saving"] / pair["plain"])
+                print(f"rep {rep}: {pair['plain']:.3f} s/step plain, {pair['saving']:.3f} saving", file=sys.stderr)
             ckpt.wait()
             arrays = [x for x in jax.tree.leaves((state, walkers)) if hasattr(x, "dtype") and x.ndim]
             state_bytes = sum(np.dtype(x.dtype).itemsize * x.size for x in arrays)
@@ -234,6 +235,9 @@ def steps(args: argparse.Namespace) -> dict[str, Any]:
         "ratio_q25": q[0],
         "ratio_q75": q[2],
         "save_blocking_s": _median(blocking),
+        # what the blocking part of the saves alone adds to a step (the rest is the background write's share
+        # of the CPU, which the ratio above includes)
+        "blocking_per_step_fraction": _median(blocking) / args.every / _median(plain),
         "reps": args.reps,
         "block": args.block,
         "every": args.every,
@@ -256,6 +260,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p_steps = sub.add_parser("steps", help="per-step cost of asynchronous saves in the neural example")
     p_steps.add_argument("--system", default="Li")
     p_steps.add_argument("--walkers", type=int, default=512)
+    p_steps.add_argument("--sweeps", type=int, default=20, help="Metropolis moves per step (the example's default)")
     p_steps.add_argument("--reps", type=int, default=7)
     p_steps.add_argument("--block", type=int, default=20, help="steps per timed block")
     p_steps.add_argument("--every", type=int, default=10, help="steps between saves")
