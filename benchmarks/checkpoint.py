@@ -15,7 +15,8 @@ through orbax (``sv.save_state``) and through the 0.2.0 ``.npz`` format
 host), ``commit`` until the checkpoint is on disk, ``restore``.
 
 ``steps``: the optimisation step of ``examples/neural_vmc.py`` (FermiNet-style network,
-folx Laplacian, minSR natural gradient; imported from the example by file path) in
+folx Laplacian, natural gradient by CG on CPU as the example's command line picks;
+imported from the example by file path) in
 blocks of 20 steps, with a ``sv.Checkpointer`` save of the whole state every 10 steps
 and without, the two blocks interleaved (the order reversed every other repetition);
 the figure is the median over repetitions of the per-block ratio of step times.
@@ -172,7 +173,9 @@ def steps(args: argparse.Namespace) -> dict[str, Any]:
 
     import shardvmc as sv
 
-    config = nv.Config(system=args.system, walkers=args.walkers, sweeps=args.sweeps)
+    # The optimiser the example's command line picks (CG on CPU, minSR on accelerators), unless given.
+    optimiser = args.optimiser or ("cg" if jax.devices()[0].platform == "cpu" else "minsr")
+    config = nv.Config(system=args.system, walkers=args.walkers, sweeps=args.sweeps, optimiser=optimiser)
     mesh = sv.create_mesh()
     root = jax.random.key(config.seed)
     with jax.enable_x64(True), sv.use_mesh(mesh):
@@ -225,6 +228,7 @@ def steps(args: argparse.Namespace) -> dict[str, Any]:
     q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
     result = {
         "system": config.system,
+        "optimiser": config.optimiser,
         "walkers": config.walkers,
         "n_params": n_params,
         "devices": int(mesh.devices.size),
@@ -261,6 +265,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p_steps.add_argument("--system", default="Li")
     p_steps.add_argument("--walkers", type=int, default=512)
     p_steps.add_argument("--sweeps", type=int, default=20, help="Metropolis moves per step (the example's default)")
+    p_steps.add_argument("--optimiser", default=None, help="default: the example's (cg on CPU, minsr elsewhere)")
     p_steps.add_argument("--reps", type=int, default=7)
     p_steps.add_argument("--block", type=int, default=20, help="steps per timed block")
     p_steps.add_argument("--every", type=int, default=10, help="steps between saves")
