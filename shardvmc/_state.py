@@ -106,7 +106,9 @@ class _Layout(NamedTuple):
 
 def _layout(tree: Any) -> _Layout:
     top_leaves, top = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: isinstance(x, WalkerSet))
-    slots, sets, nodes = [], [], []
+    slots: list[_Slot] = []
+    sets: list[tuple[str, WalkerSet]] = []
+    nodes: list[Any] = []
     for path, node in top_leaves:
         nodes.append(node)
         if isinstance(node, WalkerSet):
@@ -125,8 +127,8 @@ def _rebuild(layout: _Layout, leaves: list[Any], counts: list[int]) -> Any:
     nodes, k = [], 0
     for node in layout.nodes:
         if isinstance(node, WalkerSet):
-            data_def = jax.tree_util.tree_structure(node.data)
-            data = jax.tree_util.tree_unflatten(data_def, [next(it) for _ in range(data_def.num_leaves)])
+            like_leaves, data_def = jax.tree_util.tree_flatten(node.data)
+            data = jax.tree_util.tree_unflatten(data_def, [next(it) for _ in like_leaves])
             nodes.append(WalkerSet(data, counts[k]))
             k += 1
         else:
@@ -151,7 +153,7 @@ def _prepare(where: str, state: Any, metadata: Any) -> tuple[dict[str, Any], dic
     meta = checked_metadata(where, metadata)
     layout = _layout(state)
     multi = jax.process_count() > 1
-    sets = []
+    sets: list[dict[str, Any]] = []
     for name, node in layout.sets:
         n = leading_size(node.data, where, f"the WalkerSet {name}")
         check_n_valid(where, node.n_valid, n)
