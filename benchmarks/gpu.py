@@ -1,128 +1,379 @@
-"""The kernel comparison of ``run.py`` on an accelerator, plus walkers per second.
+"""Every ratio that matters, on an accelerator, in one table and under 8 minutes (``--smoke``: tiny, on CPU).
 
-For each walker count: the decorated local energy vs the hand-written
-``jax.jit(shard_map(vmap(f)))`` (per-walker and ``Mean`` outputs, unchunked and with
-``batch_size``), as interleaved ratios; walkers per second of the decorated kernel; and
-its compiled temporary memory per device. Uses every device of JAX's default backend.
+The rows, each speed a ratio of two variants timed in turn (``harness.interleaved``:
+median over repetitions [quartiles]), all in ONE table:
+
+- **8, kernels**: the corpus's FermiNet-style network (``tests/models``: Li, 2 layers
+  of 32/8 hidden units, 4 determinants, 4,753 parameters; local energy by folx's
+  forward Laplacian), per-walker output, decorated / hand-written
+  ``jax.jit(shard_map(vmap))`` at 4,096, 16,384 and 65,536 walkers (and at the largest
+  count also chunked by ``batch_size``, against ``folx.batched_vmap`` in ``shard_map``),
+  with walkers per second and compiled temporary memory per device; the O2
+  Slater-Jastrow local energy of ``run.py`` at 16,384 walkers.
+- **2, dispatch**: ``run.py``'s small-kernel call overhead (``sections.call_overhead``:
+  decorated / jitted hand-written, each call waited for and calls queued, and the
+  calibration row).
+- **9, natural gradient**: each solver of ``sv.natural_gradient`` (dense, minsr, spring,
+  cg) under ``jax.jit`` / a hand-written ``jax.jit`` jnp solve of the same system, at
+  the neural example's size (N = 512, P = 4,753, float64) and at N = 16,384, P = 10^5
+  (float32: J is 6.5 GB; dense is left out there, its P x P matrix alone is 40 GB).
+- **10, neural step**: walkers per second (walkers x steps / s) of
+  ``examples/neural_vmc.py``'s optimisation step (20 Metropolis moves, the folx local
+  energy, the per-walker Jacobian, clipping, minSR, the update) and evaluation step for
+  Li in float64 at 4,096 and 16,384 walkers, and their compiled memory per device.
+
+Time guard: every row first times one call of each variant, then takes as many
+repetitions (at most ``--reps``, at least 3) as fit ``--row-seconds``; a row that would
+start after ``--budget`` seconds (420) is skipped and says so, and a watchdog prints
+the table so far, writes ``--out`` and exits with code 124 when the run reaches the
+budget plus 45 s (a call that hangs, a row far slower than its first call). A row whose
+variant fails (out of memory, say) reports the error and the run goes on.
 
 Usage (from the repository root)::
 
-    python benchmarks/gpu.py                         # on a GPU machine: O2, 4096,16384,65536 walkers
-    python benchmarks/gpu.py --walkers 8192 --batch-size 1024 --reps 41
-    python benchmarks/gpu.py --cpu-devices 8         # no accelerator: a tiny CPU run (He, 64 walkers)
-    python benchmarks/gpu.py --neural                # also the real workload (examples/neural_vmc.py)
-    python benchmarks/gpu.py --neural-only --walkers 4096,16384,65536 --json neural.json
-
-``--neural`` (the default on accelerators) adds the real workload, section 10: one
-optimisation step of ``examples/neural_vmc.py`` (10 Metropolis moves of every walker,
-the folx local energy, the per-walker Jacobian, energy clipping, ``sv.natural_gradient``
-with ``--neural-optimiser``, the parameter update) for Li with the example's default
-network (2 layers, 32 hidden units, 4 determinants, 4753 parameters), in float64 unless
-``--neural-float32``: walkers per second (walkers x steps / s, after compilation), the
-evaluation step's rate (moves and energies only), and the compiled step's memory per
-device (arguments + outputs + temporaries, XLA's ``memory_analysis``).
+    python benchmarks/gpu.py --out results.md        # on a GPU machine: every device of the default backend
+    python benchmarks/gpu.py --only solvers,neural --reps 11
+    python benchmarks/gpu.py --smoke                 # no accelerator needed: tiny sizes on 8 fake CPU devices
 """
 
 import argparse
+import dataclasses
+import importlib.util
 import json
 import os
 import sys
+import threading
 import time
+import traceback
+from collections.abc import Callable
 from typing import Any
+
+SECTIONS = ("kernels", "dispatch", "solvers", "neural")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes on fake CPU devices: checks the script")
+    parser.add_argument("--cpu-devices", type=int, default=0, help="run on this many fake CPU devices (--smoke: 8)")
+    parser.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated subset of {SECTIONS}")
+    parser.add_argument("--walkers", default="", help="FermiNet kernel walker counts (default 4096,16384,65536)")
+    parser.add_argument("--neural-walkers", default="", help="neural step walker counts (default 4096,16384)")
+    parser.add_argument("--neural-optimiser", default="minsr", help="natural_gradient method of the neural step")
+    parser.add_argument("--reps", type=int, default=0, help="repetitions per ratio, at most (default 21; smoke 3)")
+    parser.add_argument("--row-seconds", type=float, default=0, help="timed seconds per row (default 25; smoke 5)")
     parser.add_argument(
-        "--system", choices=("o2", "he"), help="trial function (default: o2 on accelerators, he on CPU)"
+        "--budget", type=float, default=0, help="no row starts after this many seconds (default 420; smoke 300)"
     )
-    parser.add_argument("--walkers", default="", help="comma-separated walker counts (default: by platform)")
-    parser.add_argument("--batch-size", type=int, help="batch_size of the chunked rows (default: by platform)")
-    parser.add_argument("--reps", type=int, help="timed repetitions per figure (default 21 on accelerators, 5 on CPU)")
-    parser.add_argument("--cpu-devices", type=int, default=0, help="no accelerator: run on this many fake CPU devices")
-    parser.add_argument("--json", default="", help="also write the rows and machine to this JSON file")
-    parser.add_argument("--neural", action="store_true", default=None, help="add the neural workload (section 10)")
-    parser.add_argument("--no-neural", dest="neural", action="store_false", help="leave the neural workload out")
-    parser.add_argument("--neural-only", action="store_true", help="only the neural workload")
-    parser.add_argument(
-        "--neural-optimiser", default="auto", help="natural_gradient method of the neural step (default auto)"
-    )
-    parser.add_argument("--neural-float32", action="store_true", help="the neural workload in float32")
-    return parser.parse_args(argv)
+    parser.add_argument("--out", default="", help="also write the table (Markdown) to this file")
+    parser.add_argument("--json", default="", help="also write the rows, facts and machine to this JSON file")
+    args = parser.parse_args(argv)
+    unknown = set(args.only.split(",")) - set(SECTIONS)
+    if unknown:
+        parser.error(f"--only: unknown sections {sorted(unknown)}; pick from {SECTIONS}")
+    return args
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    if args.cpu_devices:
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-        from run import set_cpu_devices
+@dataclasses.dataclass
+class Sizes:
+    """The sizes of one run: the full one on accelerators, tiny ones for ``--smoke``."""
 
-        set_cpu_devices(args.cpu_devices)
-        os.environ["JAX_PLATFORMS"] = "cpu"
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    ferminet_walkers: list[int]
+    ferminet_net: dict[str, int]
+    ferminet_batch_size: int
+    o2_walkers: int
+    solvers: list[tuple[str, int, int, str]]  # (label, N, P, dtype)
+    neural_walkers: list[int]
+    neural_quick: bool
+    neural_steps: tuple[str, ...]
+    tiny_walkers: int | None
+    tiny_calls: int | None
+    reps: int
+    row_seconds: float
+    budget: float
+
+
+def sizes_for(args: argparse.Namespace, smoke: bool) -> Sizes:
+    def counts(text: str, default: list[int]) -> list[int]:
+        return [int(s) for s in text.split(",") if s.strip()] or default
+
+    if smoke:
+        sizes = Sizes(
+            ferminet_walkers=counts(args.walkers, [16]),
+            ferminet_net={"hidden_one": 8, "hidden_two": 4, "layers": 1, "determinants": 1},
+            ferminet_batch_size=0,  # no chunked row
+            o2_walkers=0,
+            solvers=[("scaled down", 32, 96, "float64")],
+            neural_walkers=counts(args.neural_walkers, [16]),
+            neural_quick=True,
+            neural_steps=("optimisation",),
+            tiny_walkers=16,
+            tiny_calls=5,
+            reps=3,
+            row_seconds=5.0,
+            budget=300.0,
+        )
+    else:
+        sizes = Sizes(
+            ferminet_walkers=counts(args.walkers, [4096, 16384, 65536]),
+            ferminet_net={"hidden_one": 32, "hidden_two": 8, "layers": 2, "determinants": 4},
+            ferminet_batch_size=4096,
+            o2_walkers=16384,
+            solvers=[("the neural example's size", 512, 4753, "float64"), ("large", 16384, 100_000, "float32")],
+            neural_walkers=counts(args.neural_walkers, [4096, 16384]),
+            neural_quick=False,
+            neural_steps=("optimisation", "evaluation"),
+            tiny_walkers=None,  # run.py's defaults (sections.Config)
+            tiny_calls=None,
+            reps=21,
+            row_seconds=25.0,
+            budget=420.0,
+        )
+    sizes.reps = args.reps or sizes.reps
+    sizes.row_seconds = args.row_seconds or sizes.row_seconds
+    sizes.budget = args.budget or sizes.budget
+    return sizes
+
+
+class Guard:
+    """The time budget: repetitions per row, skipped rows, and a watchdog for a call that never returns."""
+
+    def __init__(self, report: Any, sizes: Sizes, write: Callable[[str], None]) -> None:
+        self.report, self.sizes, self.write = report, sizes, write
+        self.start = time.perf_counter()
+        self.current = "start-up"
+        self.watchdog = threading.Timer(sizes.budget + 45.0, self._expire)  # 465 s: under 8 minutes
+        self.watchdog.daemon = True
+        self.watchdog.start()
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+    def reps(self, seconds_per_repetition: float) -> int:
+        """As many repetitions as fit the row's seconds (at least 3, at most ``--reps``)."""
+        fit = int(self.sizes.row_seconds / max(seconds_per_repetition, 1e-9))
+        return max(3, min(self.sizes.reps, fit))
+
+    def row(self, section: int, what: str, run: Callable[[], None]) -> None:
+        """``run()`` (which adds its rows to the report), unless the budget is spent; failures become rows."""
+        if self.elapsed() > self.sizes.budget:
+            self.report.row(section, what, f"skipped: the {self.sizes.budget:.0f} s budget was spent")
+            return
+        self.current = what
+        start = time.perf_counter()
+        try:
+            run()
+        except Exception as err:  # out of memory, a refused plan: the other rows still run
+            message = f"{type(err).__name__}: {str(err).splitlines()[0][:160]}" if str(err) else type(err).__name__
+            self.report.row(section, what, f"failed: {message}")
+            self.report.facts.setdefault("errors", {})[what] = traceback.format_exc()[-4000:]
+        self.report.facts.setdefault("row seconds", {})[what] = round(time.perf_counter() - start, 1)
+
+    def _expire(self) -> None:
+        print(f"\nTIMED OUT after {self.elapsed():.0f} s, in: {self.current}", flush=True)
+        self.write(f"**Incomplete: timed out after {self.elapsed():.0f} s, in: {self.current}**")
+        os._exit(124)
+
+
+def ratio_row(
+    guard: Guard, thunks: dict[str, Callable[[], Any]], a: str, b: str
+) -> tuple[Any, dict[str, list[float]], float]:
+    """Compile and time one call of each variant, then ``harness.interleaved`` with the reps that fit."""
     import jax
+    from harness import interleaved, ratio
+
+    start = time.perf_counter()
+    for thunk in thunks.values():
+        jax.block_until_ready(thunk())  # compiles
+    compile_seconds = time.perf_counter() - start
+    start = time.perf_counter()
+    for thunk in thunks.values():
+        jax.block_until_ready(thunk())
+    times = interleaved(thunks, guard.reps(time.perf_counter() - start))
+    return ratio(times, a, b), times, compile_seconds
+
+
+def median(values: list[float]) -> float:
+    return sorted(values)[len(values) // 2]
+
+
+# ----------------------------------------------------------------------------- 8. kernels
+
+
+def compare_kernels(guard: Guard, what: str, dec: Any, hand: Any, params: Any, r: Any, memory: bool) -> None:
+    """Rows: decorated / hand-written (and their max rel diff), walkers per second, compiled temporary memory."""
+    from harness import rel_diff, temp_bytes
+
+    thunks = {"decorated": lambda: dec(params, r), "hand": lambda: hand(params, r)}
+    rat, times, _ = ratio_row(guard, thunks, "decorated", "hand")
+    diff = rel_diff(dec(params, r), hand(params, r))
+    report, n = guard.report, r.shape[0]
+    report.row(
+        8, f"{what}: decorated / hand-written (max rel diff {diff:.1e})", str(rat), "<= 1.02", rat.median <= 1.02
+    )
+    report.row(8, f"{what}: walkers per second (decorated)", f"{n / median(times['decorated']):,.0f}")
+    if memory:
+        report.row(
+            8, f"{what}: temporary memory per device", f"{temp_bytes(dec.lower(params, r).compile()) / 2**20:,.1f} MiB"
+        )
+
+
+def kernel_rows(guard: Guard, mesh: Any, sizes: Sizes) -> None:
+    import sections
     import system
-    from harness import decorated_energy, hand_written, interleaved, ratio, rel_diff, temp_bytes
-    from sections import Report, machine
+    from harness import decorated_energy, hand_written
 
     import shardvmc as sv
 
-    accelerator = jax.default_backend() != "cpu"
-    chosen = {"o2": system.O2, "he": system.HE}[args.system or ("o2" if accelerator else "he")]
-    sizes = [int(s) for s in args.walkers.split(",") if s.strip()] or ([4096, 16384, 65536] if accelerator else [64])
-    batch_size = args.batch_size or (1024 if accelerator else 4)
-    reps = args.reps or (21 if accelerator else 5)
-    mesh = sv.create_mesh()
-    n_dev = mesh.shape["walkers"]
-    info: dict[str, Any] = machine()
-    info["system"] = chosen.name
-    info["accelerator"] = accelerator
-    print("shardvmc gpu benchmark:", ", ".join(f"{k}={v}" for k, v in info.items()))
-    if not accelerator:
-        print("NOTE: no accelerator present; this CPU run only checks that the script works.")
-    report = Report()
-    params = sv.replicate(chosen.init_params(), mesh)
-    for n in [] if args.neural_only else sizes:
-        n = sv.pad_n_walkers(n, n_dev)
-        r = sv.shard_walker(chosen.init_walkers(n), mesh)
-        for output in ("walker", "mean"):
-            for bs in (None, batch_size):
-                if bs is not None and bs >= n // n_dev:
-                    continue
-                dec = decorated_energy(chosen, mesh, output, bs)
-                hand = hand_written(chosen.local_energy, mesh, output, bs)
-                diff = rel_diff(dec(params, r), hand(params, r))
-                times = interleaved({"decorated": lambda: dec(params, r), "hand": lambda: hand(params, r)}, reps)
-                rat = ratio(times, "decorated", "hand")
-                rate = n / sorted(times["decorated"])[len(times["decorated"]) // 2]
-                what = f"{'per-walker' if output == 'walker' else 'Mean'} local energy, {n} walkers, batch_size={bs}"
-                report.row(
-                    8,
-                    f"{what}: decorated / hand-written (max abs diff {diff:.1e})",
-                    str(rat),
-                    "<= 1.02",
-                    rat.median <= 1.02,
+    for n in sizes.ferminet_walkers:
+        n = sv.pad_n_walkers(n, mesh.devices.size)
+        cfg = sections.Config(system=system.HE, mesh=mesh, ferminet_walkers=n, ferminet_sizes=sizes.ferminet_net)
+        largest = n == sv.pad_n_walkers(max(sizes.ferminet_walkers), mesh.devices.size)
+        batches = [None] + ([sizes.ferminet_batch_size] if largest and sizes.ferminet_batch_size else [])
+        for batch_size in batches:
+            what = f"FermiNet-style network (Li, folx), per-walker local energy, {n} walkers, batch_size={batch_size}"
+
+            def run(cfg: Any = cfg, batch_size: int | None = batch_size, what: str = what) -> None:
+                local_energy, params, r = sections.ferminet_workload(cfg)
+                dec = sv.walker_parallel(sv.replicated_args("params")(local_energy), mesh=mesh, batch_size=batch_size)
+                compare_kernels(
+                    guard, what, dec, hand_written(local_energy, mesh, "walker", batch_size), params, r, True
                 )
-                if output == "walker":
-                    memory = temp_bytes(dec.lower(params, r).compile()) / 2**20
-                    report.row(8, f"{what}: walkers per second (decorated)", f"{rate:,.0f}")
-                    report.row(8, f"{what}: temporary memory per device", f"{memory:,.2f} MiB")
-    if args.neural_only or (accelerator if args.neural is None else args.neural):
-        neural_rows(report, mesh, sizes if accelerator or args.walkers else [64], reps, args)
-    info["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
-    print()
-    print(report.table())
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"machine": info, "rows": report.rows, "when": time.time()}, f, indent=2, default=str)
-    return 0
+
+            guard.row(8, what, run)
+    if sizes.o2_walkers:
+        n = sv.pad_n_walkers(sizes.o2_walkers, mesh.devices.size)
+        for output in ("walker", "mean"):
+            what = f"O2 Slater-Jastrow, {'per-walker' if output == 'walker' else 'Mean'} local energy, {n} walkers"
+
+            def run_o2(output: str = output, what: str = what) -> None:
+                params = sv.replicate(system.O2.init_params(), mesh)
+                r = sv.shard_walker(system.O2.init_walkers(n), mesh)
+                dec, hand = (
+                    decorated_energy(system.O2, mesh, output),
+                    hand_written(system.O2.local_energy, mesh, output),
+                )
+                compare_kernels(guard, what, dec, hand, params, r, False)
+
+            guard.row(8, what, run_o2)
 
 
-def neural_rows(report: Any, mesh: Any, sizes: list[int], reps: int, args: argparse.Namespace) -> None:
-    """Section 10: the neural workload's optimisation and evaluation steps, timed, and their memory."""
-    import dataclasses
-    import importlib.util
+# ----------------------------------------------------------------------------- 2. dispatch
 
+
+def dispatch_rows(guard: Guard, mesh: Any, sizes: Sizes) -> None:
+    import sections
+    import system
+
+    options: dict[str, Any] = {"reps": sizes.reps}
+    if sizes.tiny_walkers is not None:
+        options.update(tiny_walkers=sizes.tiny_walkers, tiny_calls=sizes.tiny_calls)
+    cfg = sections.Config(system=system.HE, mesh=mesh, **options)
+    guard.row(
+        2, f"dispatch of a small kernel ({cfg.tiny_walkers} walkers)", lambda: sections.call_overhead(cfg, guard.report)
+    )
+
+
+# ----------------------------------------------------------------------------- 9. natural gradient
+
+
+def hand_written_solver(method: str, damping: float, momentum: float, tol: float, maxiter: int) -> Callable[..., Any]:
+    """The same system as ``sv.natural_gradient(method=...)``, solved the plain jnp way under ``jax.jit``."""
+    import jax
+    import jax.numpy as jnp
+
+    def centred(j: jax.Array, e: jax.Array) -> tuple[jax.Array, jax.Array]:
+        scale = jax.lax.rsqrt(jnp.asarray(j.shape[0], j.dtype))
+        return (j - j.mean(0)) * scale, (e - e.mean()) * scale
+
+    def cholesky_solve(a: jax.Array, b: jax.Array) -> jax.Array:
+        return jax.scipy.linalg.cho_solve((jnp.linalg.cholesky(a), True), b)
+
+    def solve(j: jax.Array, e: jax.Array, previous: jax.Array) -> jax.Array:
+        jc, ec = centred(j, e)
+        if method == "dense":
+            return cholesky_solve(jc.T @ jc + damping * jnp.eye(j.shape[1], dtype=j.dtype), jc.T @ ec)
+        if method == "cg":
+            matvec = lambda v: jc.T @ (jc @ v) + damping * v  # noqa: E731
+            return jax.scipy.sparse.linalg.cg(matvec, jc.T @ ec, tol=tol, maxiter=maxiter)[0]
+        mu = momentum if method == "spring" else 0.0
+        t = jc @ jc.T + damping * jnp.eye(j.shape[0], dtype=j.dtype)
+        return jc.T @ cholesky_solve(t, ec - mu * (jc @ previous)) + mu * previous
+
+    return jax.jit(solve)
+
+
+def solver_rows(guard: Guard, mesh: Any, sizes: Sizes) -> None:
+    import jax
+    import jax.numpy as jnp
+    from harness import rel_diff
+
+    import shardvmc as sv
+
+    damping, momentum, tol, maxiter = 1e-3, 0.9, 1e-6, 200
+    report = guard.report
+    for label, n, p, dtype_name in sizes.solvers:
+        x64 = dtype_name == "float64"
+        dtype = jnp.float64 if x64 else jnp.float32
+        data: dict[str, Any] = {}
+
+        def make(n: int = n, p: int = p, dtype: Any = dtype, x64: bool = x64, data: dict = data) -> None:
+            with jax.enable_x64(x64):
+                keys = jax.random.split(jax.random.key(3), 3)
+                j = jax.random.normal(keys[0], (n, p), dtype)
+                e = jax.random.normal(keys[1], (n,), dtype)
+                data["j"], data["e"] = sv.shard_walker((j, e), mesh)
+                data["previous"] = sv.replicate(1e-3 * jax.random.normal(keys[2], (p,), dtype), mesh)
+
+        guard.row(9, f"natural gradient, {label}: the data (N={n}, P={p}, {dtype_name})", make)
+        if not data:
+            continue
+        for method in ("dense", "minsr", "spring", "cg"):
+            what = f"natural gradient, {label} (N={n}, P={p:,}, {dtype_name}): {method}"
+            if method == "dense" and p * p * jnp.dtype(dtype).itemsize > 2**33:
+                report.row(
+                    9, what, f"left out: its P x P matrix alone is {p * p * jnp.dtype(dtype).itemsize / 2**30:.0f} GiB"
+                )
+                continue
+
+            def run(method: str = method, what: str = what, x64: bool = x64, data: dict = data) -> None:
+                spring = method == "spring"
+
+                def ours(j: jax.Array, e: jax.Array, previous: jax.Array) -> jax.Array:
+                    return sv.natural_gradient(
+                        j,
+                        e,
+                        damping=damping,
+                        method=method,
+                        momentum=momentum if spring else 0.0,
+                        previous=previous if spring else None,
+                        tol=tol,
+                        maxiter=maxiter,
+                        mesh=mesh,
+                    )[0]
+
+                ours = jax.jit(ours)
+                hand = hand_written_solver(method, damping, momentum, tol, maxiter)
+                args = (data["j"], data["e"], data["previous"])
+                with jax.enable_x64(x64):
+                    thunks = {"shardvmc": lambda: ours(*args), "hand": lambda: hand(*args)}
+                    rat, times, compile_seconds = ratio_row(guard, thunks, "shardvmc", "hand")
+                    diff = rel_diff(ours(*args), hand(*args))
+                report.row(
+                    9,
+                    f"{what}: sv.natural_gradient / hand-written jax.jit solve (max rel diff {diff:.1e}; "
+                    f"{1e3 * median(times['shardvmc']):.1f} ms per call, compiled in {compile_seconds:.0f} s)",
+                    str(rat),
+                )
+
+            guard.row(9, what, run)
+        data.clear()  # free J before the next size
+
+
+# ----------------------------------------------------------------------------- 10. the neural step
+
+
+def neural_rows(guard: Guard, mesh: Any, sizes: Sizes, optimiser: str) -> None:
+    """The neural workload's optimisation and evaluation steps, timed, and their memory."""
     import jax
     import jax.numpy as jnp
     from jax.flatten_util import ravel_pytree
@@ -134,43 +385,128 @@ def neural_rows(report: Any, mesh: Any, sizes: list[int], reps: int, args: argpa
     neural = importlib.util.module_from_spec(spec)
     sys.modules["neural_vmc"] = neural
     spec.loader.exec_module(neural)
-    x64 = not args.neural_float32
-    dtype = jnp.float64 if x64 else jnp.float32
-    for n in sizes:
-        config = dataclasses.replace(neural.Config(), walkers=n, optimiser=args.neural_optimiser, x64=x64)
-        system = neural.SYSTEMS[config.system]
-        with jax.enable_x64(x64), sv.use_mesh(mesh):
-            params = sv.replicate(neural.init_params(config, dtype), mesh)
-            n_params = int(ravel_pytree(params)[0].size)
-            state = neural.State(
-                params, sv.replicate(jnp.zeros((n_params,), dtype), mesh), sv.replicate(jnp.asarray(0.3, dtype), mesh)
-            )
+    base = neural.Config(**neural.QUICK) if sizes.neural_quick else neural.Config()
+    report = guard.report
+    for n in sizes.neural_walkers:
+        config = dataclasses.replace(base, walkers=n, optimiser=optimiser, x64=True)
+        what = f"neural {config.system} step ({optimiser}, float64), {n} walkers"
 
-            def init_walker(key: Any, system: Any = system) -> dict:
-                return {"r": neural.systems.init_walkers(key, system, 1, dtype)[0], "log_psi": jnp.zeros((), dtype)}
+        def run(config: Any = config, n: int = n, what: str = what) -> None:
+            system = neural.SYSTEMS[config.system]
+            with jax.enable_x64(True), sv.use_mesh(mesh):
+                params = sv.replicate(neural.init_params(config, jnp.float64), mesh)
+                n_params = int(ravel_pytree(params)[0].size)
+                zeros = sv.replicate(jnp.zeros((n_params,), jnp.float64), mesh)
+                state = neural.State(params, zeros, sv.replicate(jnp.asarray(0.3, jnp.float64), mesh))
 
-            walkers = sv.initialize_walkers_sharded(init_walker, n, key=jax.random.key(0))
-            walkers = neural.make_kernels(mesh, None).refresh(params, walkers, system)
-            train, evaluate = neural.make_steps(config, mesh)
-            t = jnp.asarray(0, dtype)
-            for name, step, extra in (("optimisation", train, (t,)), ("evaluation", evaluate, ())):
-                compiled = step.lower(state, walkers, jax.random.key(1), *extra).compile()
-                mem = compiled.memory_analysis()
-                per_device = (mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes) / 2**20
-                out = step(state, walkers, jax.random.key(1), *extra)  # warm-up (and the step's first call)
-                jax.block_until_ready(out)
-                times = []
-                for rep in range(reps):
+                def init_walker(key: Any) -> dict:
+                    r = neural.systems.init_walkers(key, system, 1, jnp.float64)[0]
+                    return {"r": r, "log_psi": jnp.zeros((), jnp.float64)}
+
+                walkers = sv.initialize_walkers_sharded(init_walker, n, key=jax.random.key(0))
+                walkers = neural.make_kernels(mesh, None).refresh(params, walkers, system)
+                train, evaluate = neural.make_steps(config, mesh)
+                t = jnp.asarray(0.0, jnp.float64)
+                for name, step, extra in (("optimisation", train, (t,)), ("evaluation", evaluate, ())):
+                    if name not in sizes.neural_steps:
+                        continue
                     start = time.perf_counter()
-                    out = step(state, walkers, jax.random.key(rep + 2), *extra)
-                    jax.block_until_ready(out)
-                    times.append(time.perf_counter() - start)
-                median = sorted(times)[len(times) // 2]
-                what = f"neural {config.system} ({n_params} params, {dtype.__name__}), {n} walkers, {name} step"
-                report.row(10, f"{what}: walkers per second", f"{n / median:,.0f} ({median * 1e3:.1f} ms/step)")
-                report.row(10, f"{what}: memory per device (compiled)", f"{per_device:,.1f} MiB")
-            stats = jax.device_get(out[2])
-            report.facts.setdefault("neural", []).append({"walkers": n, "energy": float(stats[0])})
+                    step = step.lower(state, walkers, jax.random.key(1), *extra).compile()  # called as compiled
+                    mem = step.memory_analysis()
+                    per_device = (
+                        mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes
+                    ) / 2**20
+                    jax.block_until_ready(step(state, walkers, jax.random.key(1), *extra))
+                    first = time.perf_counter() - start
+                    start = time.perf_counter()
+                    jax.block_until_ready(step(state, walkers, jax.random.key(2), *extra))
+                    times = []
+                    for rep in range(guard.reps(time.perf_counter() - start)):
+                        start = time.perf_counter()
+                        jax.block_until_ready(step(state, walkers, jax.random.key(rep + 3), *extra))
+                        times.append(time.perf_counter() - start)
+                    step_s = median(times)
+                    label = f"{what}, {name} step ({n_params} parameters, {config.sweeps} moves per step)"
+                    report.row(
+                        10, f"{label}: walkers per second", f"{n / step_s:,.0f} ({1e3 * step_s:.1f} ms per step)"
+                    )
+                    report.row(
+                        10,
+                        f"{label}: memory per device (compiled); compile and first call",
+                        f"{per_device:,.1f} MiB; {first:.0f} s",
+                    )
+
+        guard.row(10, what, run)
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    here = os.path.dirname(os.path.abspath(__file__))
+    sys.path[:0] = [here, os.path.join(os.path.dirname(here), "tests"), os.path.dirname(here)]
+    cpu_devices = args.cpu_devices or (8 if args.smoke else 0)
+    if cpu_devices:
+        from shardvmc.testing import set_cpu_devices
+
+        set_cpu_devices(cpu_devices)
+        os.environ["JAX_PLATFORMS"] = "cpu"
+    import tempfile
+
+    import jax
+    from sections import Report, machine
+
+    import shardvmc as sv
+
+    # A compilation cache for this run only: the memory rows lower and compile again programs the timing
+    # compiled, and the cache turns those second compilations into reads.
+    cache = tempfile.TemporaryDirectory(prefix="shardvmc-gpu-bench-")
+    jax.config.update("jax_compilation_cache_dir", cache.name)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    accelerator = jax.default_backend() != "cpu"
+    smoke = args.smoke or not accelerator
+    sizes = sizes_for(args, smoke)
+    mesh = sv.create_mesh()
+    info: dict[str, Any] = machine()
+    info["mesh"] = dict(mesh.shape)
+    command = "python benchmarks/gpu.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    print("shardvmc gpu benchmark:", ", ".join(f"{k}={v}" for k, v in info.items()), flush=True)
+    if smoke:
+        print("NOTE: smoke run (no accelerator or --smoke): tiny sizes that only check that the script works.")
+    report = Report()
+
+    def write(note: str = "") -> None:
+        text = report.table()
+        if args.out:
+            with open(args.out, "w") as f:
+                f.write(f"`{command.strip()}`\n\n{', '.join(f'{k}={v}' for k, v in info.items())}\n\n")
+                f.write("Ratios: median over repetitions [25 %, 75 % quartiles].\n\n" + text + "\n")
+                if note:
+                    f.write(f"\n{note}\n")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"machine": info, "rows": report.rows, "facts": report.facts, "note": note}, f, default=str)
+
+    guard = Guard(report, sizes, lambda note: (print(report.table(), flush=True), write(note)))
+    chosen = args.only.split(",")
+    if "kernels" in chosen:
+        kernel_rows(guard, mesh, sizes)
+    if "dispatch" in chosen:
+        dispatch_rows(guard, mesh, sizes)
+    if "solvers" in chosen:
+        solver_rows(guard, mesh, sizes)
+    if "neural" in chosen:
+        neural_rows(guard, mesh, sizes, args.neural_optimiser)
+    guard.watchdog.cancel()
+    info["seconds"] = round(guard.elapsed(), 1)
+    info["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
+    print()
+    print(f"{command.strip()}: {info['seconds']} s. Ratios: median over repetitions [25 %, 75 % quartiles].")
+    print(report.table())
+    write()
+    return 0
 
 
 if __name__ == "__main__":

@@ -16,10 +16,18 @@ CPU devices, float32:
   repetition takes seconds and the gathered J stays far below the shared machine's
   memory (at N = 4096, P = 1e5 it would be 1.6 GB per fake device, 13 GB in all).
 
+- **breakdown** (``--breakdown``; N = 512, P = 4,753, float64: the neural example's
+  size): where minSR's time goes on 8 fake devices and on one, side by side in one
+  run: minSR and CG on 8 devices and on one, the replicated Cholesky factorisation of
+  the N x N matrix alone, and a factorisation on device 0 shared by a ``psum``; each
+  with the thread count of the OpenBLAS that XLA's CPU LAPACK calls use at its default
+  and at 1 (switched at run time between the variants of each repetition).
+
 Usage (from the repository root)::
 
     python benchmarks/natgrad.py                 # about 3 minutes on 2 cores
     python benchmarks/natgrad.py --quick         # small sizes, seconds
+    python benchmarks/natgrad.py --breakdown --params "" --time-params ""   # the breakdown only
 """
 
 import argparse
@@ -44,6 +52,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--time-params", help="P of the timings (default 10000,100000)")
     parser.add_argument("--time-walkers", help="N of each timing (default 1024,256)")
     parser.add_argument("--reps", type=int, help="timed repetitions per ratio (default 9)")
+    parser.add_argument("--breakdown", action="store_true", help="also the minSR time breakdown (see above)")
+    parser.add_argument("--breakdown-walkers", type=int, default=512, help="N of the breakdown (default 512)")
+    parser.add_argument("--breakdown-params", type=int, default=4753, help="P of the breakdown (default 4753)")
+    parser.add_argument("--breakdown-reps", type=int, default=7, help="repetitions of the breakdown (default 7)")
+    parser.add_argument(
+        "--neural-step",
+        action="store_true",
+        help="also the neural example's optimisation step with minsr and with cg (default Li network, "
+        "--breakdown-walkers walkers), at both OpenBLAS thread counts",
+    )
     parser.add_argument("--json", default="", help="also write the rows to this JSON file")
     args = parser.parse_args(argv)
     defaults = {
@@ -181,18 +199,203 @@ def main(argv: list[str] | None = None) -> int:
                 f"time, N={n_time}, P={p:.0e}: {name} / replicated solve (all-gather J)",
                 str(harness.ratio(times, name, "replicated solve (all-gather J)")),
             )
+    if args.breakdown:
+        breakdown(report, facts, mesh, args)
+    if args.neural_step:
+        neural_step(report, facts, mesh, args)
     info["seconds"] = round(time.perf_counter() - start, 1)
     info["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
     print()
     print("Ratios: median over repetitions of time(first) / time(second), [25%, 75%] quartiles.")
     print(report.table())
     for key, value in facts.items():
-        if key.startswith(("max rel diff", "cg iterations")):
+        if key.startswith(("max rel diff", "cg iterations", "breakdown")):
             print(f"{key}: {value}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"machine": info, "config": vars(args), "rows": report.rows, "facts": facts}, f, default=str)
     return 0
+
+
+def openblas_threads() -> tuple[Any, int] | None:
+    """``(set_threads, cores)`` for the OpenBLAS that XLA's CPU LAPACK calls use (scipy's); ``None`` if not found.
+
+    jaxlib's CPU ``lapack_*_ffi`` kernels (Cholesky, triangular solves, eigh) call the
+    LAPACK of ``scipy.linalg.cython_lapack``; with scipy's wheels that is OpenBLAS, whose
+    thread count can be changed at run time.
+    """
+    import ctypes
+
+    import scipy.linalg  # noqa: F401  (loads scipy's OpenBLAS)
+
+    with open("/proc/self/maps") as f:
+        paths = sorted(set(re.findall(r"(/\S*openblas\S*\.so\S*)", f.read())))
+    for path in paths:
+        lib = ctypes.CDLL(path)
+        for prefix in ("scipy_openblas", "openblas"):
+            if hasattr(lib, f"{prefix}_set_num_threads"):
+                # OpenBLAS's own default is one thread per core; sv.testing.set_cpu_devices starts it with one.
+                return getattr(lib, f"{prefix}_set_num_threads"), os.cpu_count() or 1
+    return None
+
+
+def breakdown(report: Any, facts: dict[str, Any], mesh: Any, args: argparse.Namespace) -> None:
+    """Where minSR's time goes on 8 fake devices and on one (N x N factorisation, OpenBLAS threads)."""
+    import harness
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import shardvmc as sv
+
+    n, p = args.breakdown_walkers, args.breakdown_params
+    blas = openblas_threads()
+    d = mesh.devices.size
+    mesh1 = sv.create_mesh(mesh.devices.flat[:1])
+    rng = np.random.default_rng(1)
+    with jax.enable_x64(True):
+        j, e = rng.normal(size=(n, p)), rng.normal(size=n)
+        on = {d: sv.shard_walker((jnp.asarray(j), jnp.asarray(e)), mesh), 1: sv.shard_walker((j, e), mesh1)}
+        jc = (j - j.mean(0)) / np.sqrt(n)
+        t = jc @ jc.T + 1e-3 * np.eye(n)  # minSR's N x N matrix
+        t_on = {d: jax.device_put(t, NamedSharding(mesh, P())), 1: jax.device_put(t, mesh1.devices.flat[0])}
+        cholesky = jax.jit(jnp.linalg.cholesky)
+
+        def factorise_once(a: jax.Array) -> jax.Array:
+            # Device 0 factorises, the others contribute zeros to a psum that shares the factor.
+            first = jax.lax.axis_index("walkers") == 0
+            return jax.lax.psum(jax.lax.cond(first, jnp.linalg.cholesky, jnp.zeros_like, a), "walkers")
+
+        once = jax.jit(jax.shard_map(factorise_once, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False))
+
+        def solve(method: str, k: int) -> Any:
+            return lambda: sv.natural_gradient(*on[k], damping=1e-3, method=method, mesh=mesh if k == d else mesh1)[0]
+
+        base = {
+            f"minsr, {d} devices": solve("minsr", d),
+            "minsr, 1 device": solve("minsr", 1),
+            f"cg, {d} devices": solve("cg", d),
+            "cg, 1 device": solve("cg", 1),
+            f"cholesky, replicated on {d} devices": lambda: cholesky(t_on[d]),
+            "cholesky, 1 device": lambda: cholesky(t_on[1]),
+            f"cholesky on device 0, shared by psum, {d} devices": lambda: once(t_on[d]),
+        }
+        diff = float(np.abs(np.asarray(base[f"minsr, {d} devices"]()) - np.asarray(base["minsr, 1 device"]())).max())
+        facts[f"breakdown: max abs diff minsr {d} vs 1 device"] = diff
+        settings = [("default threads", None)]
+        if blas is not None:
+            set_threads, default = blas
+            settings = [(f"OpenBLAS {default} threads", default), ("OpenBLAS 1 thread", 1)]
+        facts["breakdown: OpenBLAS"] = "not found" if blas is None else f"its default: {blas[1]} threads (one per core)"
+        thunks = {}
+        for label, k in settings:
+            for name, fn in base.items():
+
+                def thunk(fn: Any = fn, k: int | None = k) -> Any:
+                    if k is not None:
+                        set_threads(k)
+                    return fn()
+
+                thunks[f"{name}, {label}"] = thunk
+        times = harness.interleaved(thunks, args.breakdown_reps)
+        if blas is not None:
+            set_threads(blas[1])
+    what = f"minSR breakdown, N={n}, P={p}, float64"
+    for name, values in times.items():
+        facts[f"breakdown: median ms, {name}"] = round(1e3 * float(np.median(values)), 2)
+    for label, _ in settings:
+        pairs = [
+            (f"minsr, {d} devices", "minsr, 1 device"),
+            (f"cg, {d} devices", "cg, 1 device"),
+            (f"minsr, {d} devices", f"cg, {d} devices"),
+            ("minsr, 1 device", "cg, 1 device"),
+            (f"cholesky, replicated on {d} devices", "cholesky, 1 device"),
+            (f"cholesky on device 0, shared by psum, {d} devices", "cholesky, 1 device"),
+            ("cholesky, 1 device", "minsr, 1 device"),
+            (f"cholesky, replicated on {d} devices", f"minsr, {d} devices"),
+        ]
+        for a, b in pairs:
+            report.row(9, f"{what} ({label}): {a} / {b}", str(harness.ratio(times, f"{a}, {label}", f"{b}, {label}")))
+    if len(settings) == 2:
+        one, many = settings[1][0], settings[0][0]
+        for name in (
+            f"minsr, {d} devices",
+            "minsr, 1 device",
+            f"cholesky, replicated on {d} devices",
+            f"cg, {d} devices",
+        ):
+            report.row(
+                9, f"{what}: {name}, {one} / {many}", str(harness.ratio(times, f"{name}, {one}", f"{name}, {many}"))
+            )
+
+
+def neural_step(report: Any, facts: dict[str, Any], mesh: Any, args: argparse.Namespace) -> None:
+    """The neural example's optimisation step (Li, float64) with minSR and with CG, interleaved."""
+    import dataclasses
+    import importlib.util
+
+    import harness
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.flatten_util import ravel_pytree
+
+    import shardvmc as sv
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    sys.path.insert(0, os.path.join(os.path.dirname(here), "tests"))
+    spec = importlib.util.spec_from_file_location("neural_vmc", os.path.join(here, "..", "examples", "neural_vmc.py"))
+    neural = importlib.util.module_from_spec(spec)
+    sys.modules["neural_vmc"] = neural
+    spec.loader.exec_module(neural)
+    blas = openblas_threads()
+    n = args.breakdown_walkers
+    thunks: dict[str, Any] = {}
+    with jax.enable_x64(True), sv.use_mesh(mesh):
+        for optimiser in ("minsr", "cg"):
+            config = dataclasses.replace(neural.Config(), walkers=n, optimiser=optimiser)
+            system = neural.SYSTEMS[config.system]
+            params = sv.replicate(neural.init_params(config, jnp.float64), mesh)
+            n_params = int(ravel_pytree(params)[0].size)
+            zeros = sv.replicate(jnp.zeros((n_params,), jnp.float64), mesh)
+            state = neural.State(params, zeros, sv.replicate(jnp.asarray(0.3, jnp.float64), mesh))
+
+            def init_walker(key: Any, system: Any = system) -> dict:
+                return {"r": neural.systems.init_walkers(key, system, 1, jnp.float64)[0], "log_psi": jnp.zeros(())}
+
+            walkers = sv.initialize_walkers_sharded(init_walker, n, key=jax.random.key(0))
+            walkers = neural.make_kernels(mesh, None).refresh(params, walkers, system)
+            train, _ = neural.make_steps(config, mesh)
+            step = train.lower(state, walkers, jax.random.key(1), jnp.asarray(0.0)).compile()
+            settings = (
+                [(None, "default threads")]
+                if blas is None
+                else [(blas[1], f"OpenBLAS {blas[1]} threads"), (1, "OpenBLAS 1 thread")]
+            )
+            for k, label in settings:
+
+                def thunk(step: Any = step, state: Any = state, walkers: Any = walkers, k: Any = k) -> Any:
+                    if k is not None:
+                        blas[0](k)
+                    return step(state, walkers, jax.random.key(2), jnp.asarray(0.0))
+
+                thunks[f"{optimiser}, {label}"] = thunk
+        times = harness.interleaved(thunks, args.breakdown_reps)
+        if blas is not None:
+            blas[0](blas[1])
+    what = f"neural example's optimisation step (Li, {n_params} parameters, {n} walkers, float64, {mesh.devices.size}"
+    what += " devices)"
+    labels = [label for _, label in settings]
+    for label in labels:
+        report.row(9, f"{what}, {label}: minsr / cg", str(harness.ratio(times, f"minsr, {label}", f"cg, {label}")))
+    if len(labels) == 2:
+        for optimiser in ("minsr", "cg"):
+            one, many = f"{optimiser}, OpenBLAS 1 thread", f"{optimiser}, {labels[0]}"
+            report.row(9, f"{what}: {optimiser}, OpenBLAS 1 thread / {labels[0]}", str(harness.ratio(times, one, many)))
+    for name, values in times.items():
+        facts[f"breakdown: median ms, neural step, {name}"] = round(1e3 * float(np.median(values)), 1)
 
 
 if __name__ == "__main__":

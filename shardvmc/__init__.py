@@ -29,6 +29,9 @@ from ._markers import Replicated as Replicated
 from ._markers import Static as Static
 from ._markers import Sum as Sum
 from ._markers import WalkerKey as WalkerKey
+from ._mcstats import Stats as Stats
+from ._mcstats import StatsAccumulator as StatsAccumulator
+from ._mcstats import statistics as statistics
 from ._mesh import create_mesh as create_mesh
 from ._mesh import get_replicated_sharding as get_replicated_sharding
 from ._mesh import get_walker_sharding as get_walker_sharding
@@ -76,6 +79,8 @@ __all__ = [
     "Replicated",
     "ShardvmcError",
     "Static",
+    "Stats",
+    "StatsAccumulator",
     "Sum",
     "UnhashableStaticError",
     "WalkerKey",
@@ -108,6 +113,7 @@ __all__ = [
     "shard_walker",
     "sharded_batched_vmap",
     "slice_walkers",
+    "statistics",
     "use_mesh",
     "wait_for_saves",
     "walker_mean",

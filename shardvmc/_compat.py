@@ -1,7 +1,6 @@
 """Everything that depends on the JAX version, and the one rule for how shardvmc calls ``shard_map``.
 
-shardvmc is tested against JAX 0.10.2. Older versions kept ``shard_map`` in
-``jax.experimental.shard_map`` with a ``check_rep`` flag instead of ``check_vma``.
+shardvmc requires JAX 0.10.2 or newer (``jax.shard_map`` with its ``check_vma`` flag).
 
 The engine rule (see ``docs/concepts.md``): every kernel shardvmc builds runs its body
 under ``shard_map`` with varying-manual-axes checking OFF. shardvmc places every
@@ -36,18 +35,16 @@ __all__ = [
 CHECK_VMA = False
 """Whether shardvmc's kernels type-check varying manual axes (the engine rule above)."""
 
-if hasattr(jax, "shard_map"):
-    _shard_map = jax.shard_map
-    _CHECK_FLAG = "check_vma"
-else:  # pragma: no cover - JAX < 0.7
-    from jax.experimental.shard_map import shard_map as _shard_map
 
-    _CHECK_FLAG = "check_rep"
+def shard_map(
+    fn: Callable[..., Any], mesh: Mesh, in_specs: Any, out_specs: Any, *, check_vma: bool = CHECK_VMA
+) -> Callable[..., Any]:
+    """``shard_map`` under the engine rule.
 
-
-def shard_map(fn: Callable[..., Any], mesh: Mesh, in_specs: Any, out_specs: Any) -> Callable[..., Any]:
-    """``shard_map`` under the engine rule, whatever the JAX version calls the flag."""
-    return _shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, **{_CHECK_FLAG: CHECK_VMA})
+    ``check_vma=True`` is only for asking JAX, at trace time, whether an output is
+    replicated (the engine's check of ``Replicated`` outputs); such a trace never runs.
+    """
+    return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check_vma)
 
 
 def axis_size(mesh: Mesh, axis_name: str | tuple[str, ...]) -> int:

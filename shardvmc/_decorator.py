@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import operator
 import types
 from collections.abc import Callable
 from typing import Any, overload
@@ -17,22 +16,36 @@ from jax.sharding import Mesh
 
 from . import _compat
 from ._errors import CallError, DecorationError, ShardvmcError, UnhashableStaticError, message
-from ._kernel import Options, build, explain_call_error, inside_kernel, leading_count, output_shardings, signature_of
+from ._kernel import (
+    TRACED,
+    Options,
+    check_inputs,
+    concrete_argument_error,
+    inside_kernel,
+    leading_count,
+    partition,
+    raised_in_body,
+)
 from ._markers import Kind, Layout, missing_markers_error, parse
 from ._mesh import resolve_mesh
-from ._walkerset import WalkerSet, check_n_valid
+from ._plan import KernelSpec, Plan, PlanKey, auto_signature, make_plan
+from ._walkerset import WalkerSet, check_n_valid, split_walker_set
 
 __all__ = ["WalkerParallel", "replicated_args", "walker_parallel"]
 
+# Argument types seen to be arrays (or tracers, numbers): nothing to split off, no flattening on the per-call
+# path. Learnt as arguments arrive (building a jax.Array here would start a backend at import).
+_ARRAY_TYPES: set[type] = {np.ndarray, float, int, complex, bool}
 
-def _picker(indices: tuple[int, ...]) -> Callable[[tuple[Any, ...]], tuple[Any, ...]]:
-    """A fast ``lambda args: tuple(args[i] for i in indices)``."""
-    if not indices:
-        return lambda args: ()
-    if len(indices) == 1:
-        i = indices[0]
-        return lambda args: (args[i],)
-    return operator.itemgetter(*indices)
+
+def _is_leaf_type(x: Any) -> bool:
+    kind = type(x)
+    if kind in _ARRAY_TYPES:
+        return True
+    if isinstance(x, (jax.Array, np.generic)):
+        _ARRAY_TYPES.add(kind)
+        return True
+    return False
 
 
 class WalkerParallel:
@@ -61,38 +74,62 @@ class WalkerParallel:
         self._replicated = replicated
         self._nested = nested
         self._missing: list[str] = []
-        self.chosen_batch_sizes: dict[Any, int | None] = {}
-        """With ``batch_size="auto"``: the chunk chosen for each argument signature (``None``: all at once)."""
-        self._cache: dict[tuple[Mesh, tuple[Any, ...], bool], Callable[..., Any]] = {}  # mesh, statics, even
+        self._plans: dict[tuple[Any, ...], Plan] = {}  # by PlanKey, held as a plain tuple (cheaper to build)
+        self._checked_mesh: Mesh | None = None
         if layout is None:
             # Unmarked parameters are reported at the first call: a replicated_args(...) stacked above may
             # still name them (Python applies it after this decorator).
             layout, self._missing = parse(fn, self._qualname, replicated)
-        self._set_layout(layout)
-
-    def _set_layout(self, layout: Layout) -> None:
         self._layout = layout
-        self._n_params = len(layout.signature.parameters) if not self._missing else -1
-        self._static_idx = tuple(i for i, p in enumerate(layout.params) if p.kind is Kind.STATIC)
-        self._dyn_idx = tuple(i for i, p in enumerate(layout.params) if p.kind is not Kind.STATIC)
-        self._statics_of = _picker(self._static_idx)
-        self._dyn_of = _picker(self._dyn_idx)
-        self._walker_idx = tuple(j for j, i in enumerate(self._dyn_idx) if layout.params[i].kind is Kind.PER_WALKER)
-        if layout.output is Kind.REPLICATED or (isinstance(layout.output, tuple) and Kind.REPLICATED in layout.output):
-            if not self._options.batched:
-                raise DecorationError(
-                    message(
-                        self._qualname,
-                        "the return is marked Replicated, which only a batched=True function can produce.",
-                        fix="mark it Mean[...] (a per-walker function returning sv.all_walkers.mean(x) gives that "
-                        "value), or decorate with batched=True.",
-                    )
+        self._spec = KernelSpec.of(fn, layout, options, self._qualname)
+        self._no_parts: tuple[None, ...] = (None,) * len(self._spec.dyn_idx)
+        self._auto = options.batch_size == "auto"
+        # Without a missing marker, a call with every argument positional skips Signature.bind: the common case.
+        self._n_params = -1 if self._missing else len(layout.signature.parameters)
+        outputs = layout.output if isinstance(layout.output, tuple) else (layout.output,)
+        if Kind.REPLICATED in outputs and not options.batched:
+            raise DecorationError(
+                message(
+                    self._qualname,
+                    "the return is marked Replicated, which only a batched=True function can produce.",
+                    fix="mark it Mean[...] (a per-walker function returning sv.all_walkers.mean(x) gives that "
+                    "value), or decorate with batched=True.",
                 )
+            )
 
     @property
     def layout(self) -> Layout:
         """The parameter and output markers, as read from the annotations."""
         return self._layout
+
+    @property
+    def chosen_batch_sizes(self) -> dict[Any, int | None]:
+        """With ``batch_size="auto"``: the chunk chosen for each argument signature (``None``: all at once)."""
+        return {p.key.signature: p.batch_size for p in self._plans.values() if p.key.signature is not None}
+
+    def with_options(self, **options: Any) -> WalkerParallel:
+        """The same function as a kernel with other options (those of :func:`walker_parallel`).
+
+        Example:
+            >>> import jax, jax.numpy as jnp, shardvmc as sv
+            >>> @sv.walker_parallel
+            ... def energy(r: sv.PerWalker[jax.Array]) -> sv.Mean[jax.Array]:
+            ...     return jnp.sum(r**2)
+            >>> chunked = energy.with_options(batch_size=2)
+            >>> float(chunked(jnp.ones((16, 3)))) == float(energy(jnp.ones((16, 3))))
+            True
+        """
+        current = {"mesh": self._mesh, **dataclasses.asdict(self._options)}
+        unknown = set(options) - set(current)
+        if unknown:
+            raise TypeError(f"{self._qualname}.with_options: unknown options {sorted(unknown)}.")
+        current.update(options)
+        mesh = current.pop("mesh")
+        return walker_parallel(
+            _ReplicatedFn(self.__wrapped__, self._replicated) if self._replicated else self.__wrapped__,
+            mesh=mesh,
+            **current,
+        )
 
     def _arguments(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
         if self._missing:
@@ -104,78 +141,85 @@ class WalkerParallel:
         bound.apply_defaults()
         return tuple(bound.arguments.values())
 
-    def _kernel(self, mesh: Mesh, args: tuple[Any, ...], dyn: tuple[Any, ...], n_valid: Any) -> Callable[..., Any]:
-        axis = self._options.axis_name
-        statics = self._statics_of(args)
-        n = self._walker_count(dyn)
-        key: tuple[Any, ...] = (mesh, statics, n is None or n % _compat.axis_size(mesh, axis) == 0)
-        auto = self._options.batch_size == "auto"
-        if auto:  # the chunk is chosen per shape: the arguments' abstract signature keys the kernel too
-            key += (signature_of(dyn), n_valid is None)
+    def _prepare(self, args: tuple[Any, ...], n_valid: Any) -> tuple[Plan, tuple[Any, ...], Any, int | None]:
+        """The plan of this call, its traced arguments, the traced ``n_valid`` (or None) and the set count.
+
+        The per-call path of every kernel: it stays to type checks and one dictionary
+        lookup when the arguments are arrays (measured in ``benchmarks/``).
+        """
+        spec = self._spec
+        dyn = spec.dyn_of(args)
+        wrap = None
+        for j in spec.walker_idx:
+            if type(dyn[j]) is WalkerSet:
+                dyn, n_valid, wrap = self._walker_sets(dyn, n_valid)
+                break
+        parts = self._no_parts
+        for j in spec.container_idx:
+            if not _is_leaf_type(dyn[j]):  # a pytree, a model container: split off its non-arrays
+                dyn, parts = self._partition(dyn)
+                break
+        n = None
+        if spec.walker_idx:
+            first = dyn[spec.walker_idx[0]]
+            shape = getattr(first, "shape", None)  # one array: one attribute lookup
+            n = int(shape[0]) if shape else leading_count(first)
+        if n is None:
+            n = check_inputs(spec.qualname, spec.layout, dyn, spec.dyn_params)
+        # A WalkerSet's count is part of its pytree structure: compiled in. An explicit n_valid= is data: one
+        # program serves every value (a concrete one travels as an int32 scalar).
+        key_count: int | str | None = None
+        if wrap is not None:
+            check_n_valid(self._qualname, n_valid, n)
+            key_count, n_valid = (None if n_valid == n else n_valid), None
+        elif n_valid is not None:
+            check_n_valid(self._qualname, n_valid, n)
+            key_count = TRACED
+            if not isinstance(n_valid, jax.core.Tracer):
+                n_valid = np.int32(n_valid)
+        mesh = self._mesh
+        if mesh is None or mesh is not self._checked_mesh:
+            mesh = resolve_mesh(mesh, self._options.axis_name, where=self._qualname)
+            if self._mesh is not None:
+                self._checked_mesh = mesh  # a fixed mesh= is checked once, at the first call
+        key = (mesh, spec.statics_of(args), parts, n, key_count, auto_signature(spec, dyn) if self._auto else None)
         try:
-            return self._cache[key]
+            plan = self._plans[key]
         except KeyError:
-            pass
+            plan = self._plans[key] = make_plan(spec, PlanKey(*key), dyn, n_valid)
         except TypeError:
-            self._raise_unhashable(statics)
-        # shard_map's out_specs give per-walker outputs P(axis) on a mesh of several devices. On one device XLA
-        # reports P() instead, so the spec is pinned with out_shardings there only: on more devices, pinned
-        # shardings become the required shardings of the cotangents when a caller differentiates eagerly.
-        shardings = output_shardings(self._layout, mesh, axis) if key[2] and mesh.size == 1 else None
+            raise self._unhashable(PlanKey(*key)) from None
+        return plan, dyn, n_valid, wrap
 
-        def jitted(options: Options) -> Callable[..., Any]:
-            return jax.jit(
-                build(self.__wrapped__, self._layout, statics, mesh, options, self._qualname), out_shardings=shardings
-            )
-
-        if auto:
-            run, chosen = _largest_fitting_chunk(self, jitted, mesh, dyn, n_valid)
-            self.chosen_batch_sizes[key[3]] = chosen
-        else:
-            run = jitted(self._options)
-        self._cache[key] = run
-        return run
-
-    def _walker_count(self, dyn: tuple[Any, ...]) -> int | None:
-        """Leading size of the first PerWalker leaf (``None`` if there is none: run() explains)."""
-        return leading_count(dyn[self._walker_idx[0]]) if self._walker_idx else None
-
-    def _raise_unhashable(self, statics: tuple[Any, ...]) -> None:
-        for i, value in zip(self._static_idx, statics):
-            try:
-                hash(value)
-            except TypeError:
-                name = self._layout.params[i].name
-                raise UnhashableStaticError(
-                    message(
-                        self._qualname,
-                        f"Static parameter {name!r} received an unhashable value, which cannot key the compilation.",
-                        got=f"{type(value).__name__}",
-                        fix="pass a hashable value (a tuple instead of a list, a frozen dataclass), or mark the "
-                        "parameter Replicated if it holds arrays.",
-                    )
-                ) from None
+    def _partition(self, dyn: tuple[Any, ...]) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+        """Model containers: their arrays stay traced, their other leaves key the plan (``equinox`` style)."""
+        parts: list[Any] = [None] * len(dyn)
+        out = list(dyn)
+        for j in self._spec.container_idx:
+            out[j], parts[j] = partition(dyn[j])
+        return tuple(out), tuple(parts)
 
     def _walker_sets(self, dyn: tuple[Any, ...], n_valid: Any) -> tuple[tuple[Any, ...], Any, int | None]:
-        """Unwrap ``WalkerSet`` arguments: ``(walker data, n_valid for the kernel, count to wrap outputs)``."""
+        """Unwrap ``WalkerSet`` arguments: ``(walker data, the valid count, count to wrap outputs)``."""
         count: int | None = None
-        for j in self._walker_idx:
+        for j in self._spec.walker_idx:
             arg = dyn[j]
             if not isinstance(arg, WalkerSet):
                 continue
-            if count is not None and arg.n_valid != count:
+            data, here = split_walker_set(arg, self._qualname)
+            if count is not None and here != count:
                 raise CallError(
                     message(
                         self._qualname,
                         "two WalkerSet arguments carry different valid counts.",
-                        got=f"n_valid {count} and {arg.n_valid}",
+                        got=f"n_valid {count} and {here}",
                         fix="pass walker sets of the same walkers (one count).",
                     )
                 )
-            count = arg.n_valid
-            dyn = (*dyn[:j], arg.data, *dyn[j + 1 :])
+            count = here
+            dyn = (*dyn[:j], data, *dyn[j + 1 :])
         if count is None:
-            return dyn, self._n_valid(n_valid, dyn), None
+            return dyn, n_valid, None
         if n_valid is not None and (isinstance(n_valid, jax.core.Tracer) or int(n_valid) != count):
             raise CallError(
                 message(
@@ -185,38 +229,71 @@ class WalkerParallel:
                     fix="drop n_valid= (the WalkerSet knows its count), or pass walkers.replace(n_valid=...).",
                 )
             )
-        n = self._walker_count(dyn)
-        return dyn, (None if count == n else np.int32(count)), count
+        return dyn, count, count
 
-    def _n_valid(self, n_valid: Any, dyn: tuple[Any, ...]) -> Any:
-        if n_valid is None or isinstance(n_valid, jax.core.Tracer):
-            return n_valid
-        n = self._walker_count(dyn)
-        check_n_valid(self._qualname, n_valid, n if n is not None else int(n_valid))
-        return np.int32(n_valid)
-
-    def _prepare(self, args: tuple[Any, ...], kwargs: dict[str, Any], n_valid: Any) -> tuple[Any, ...]:
-        if kwargs or len(args) != self._n_params:
-            args = self._arguments(args, kwargs)
-        dyn, n_valid, count = self._walker_sets(self._dyn_of(args), n_valid)
-        mesh = resolve_mesh(self._mesh, self._options.axis_name, where=self._qualname)
-        return mesh, self._kernel(mesh, args, dyn, n_valid), dyn, n_valid, count
+    def _unhashable(self, key: PlanKey) -> CallError:
+        for p, value in zip(self._spec.static_params, key.statics):
+            try:
+                hash(value)
+            except TypeError:
+                return UnhashableStaticError(
+                    message(
+                        self._qualname,
+                        f"Static parameter {p.name!r} received an unhashable value, which cannot key the compilation.",
+                        got=f"{type(value).__name__}",
+                        fix="pass a hashable value (a tuple instead of a list, a frozen dataclass), or mark the "
+                        "parameter Replicated if it holds arrays.",
+                    )
+                )
+        for p, part in zip(self._spec.dyn_params, key.parts):
+            if part is None:
+                continue
+            treedef, static = part
+            paths = [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(
+                jax.tree_util.tree_unflatten(treedef, list(static)))[0]]  # fmt: skip
+            for path, leaf in zip(paths, static):
+                try:
+                    hash(leaf)
+                except TypeError:
+                    return UnhashableStaticError(
+                        message(
+                            self._qualname,
+                            f"{p.kind.value} parameter {p.name!r}{path} holds a {type(leaf).__name__}, which is no "
+                            "array, so it is compiled in and keys the compilation by equality; it is unhashable.",
+                            fix="store settings as hashable values (tuples, frozen dataclasses, equinox's "
+                            "eqx.field(static=True)), or as arrays if they should be traced.",
+                        )
+                    )
+        return CallError(message(self._qualname, "the arguments cannot key the compilation (an unhashable value)."))
 
     def __call__(self, *args: Any, n_valid: Any = None, **kwargs: Any) -> Any:
         mode = inside_kernel()
         if mode is not None:
             return self._nested_call(mode, args, kwargs)
-        mesh, run, dyn, n_valid, count = self._prepare(args, kwargs, n_valid)
+        if kwargs or len(args) != self._n_params:
+            args = self._arguments(args, kwargs)
+        plan, dyn, n_valid, count = self._prepare(args, n_valid)
         try:
-            if _compat.context_mesh_differs(mesh):
-                with jax.set_mesh(mesh):
-                    out = run(dyn, n_valid)
+            if _compat.context_mesh_differs(plan.mesh):
+                with jax.set_mesh(plan.mesh):
+                    out = plan.call(dyn, n_valid)
             else:
-                out = run(dyn, n_valid)
-        except (TypeError, ValueError) as err:
-            self._explain(err, mesh, dyn)
+                out = plan.call(dyn, n_valid)
+        except Exception as err:
+            self._on_error(err, plan, dyn)
             raise
         return out if count is None else self._wrap(out, count)
+
+    def _on_error(self, err: Exception, plan: Plan, dyn: tuple[Any, ...]) -> None:
+        """Name the argument when JAX refused the arguments; leave the user's own errors as they are."""
+        if isinstance(err, ShardvmcError) or raised_in_body(err):
+            return
+        if isinstance(err, (TypeError, ValueError)):
+            error = concrete_argument_error(self._qualname, self._spec.dyn_params, dyn, plan.mesh)
+            if error is not None:
+                raise error from err
+        err.add_note(f"shardvmc: raised while running walker-parallel kernel {self._qualname} on mesh "
+                     f"{dict(plan.mesh.shape)} with {plan.n_walkers} walkers")  # fmt: skip
 
     def _wrap(self, out: Any, count: int) -> Any:
         """Per-walker outputs as ``WalkerSet``s carrying ``count``."""
@@ -250,14 +327,10 @@ class WalkerParallel:
 
         return jax.vmap(one, in_axes=in_axes)(*dyn)
 
-    def _explain(self, err: Exception, mesh: Mesh, dyn: tuple[Any, ...]) -> None:
-        """Replace JAX's refusal of the arguments by the shardvmc error that names the parameter."""
-        if isinstance(err, ShardvmcError):
-            return
-        params = tuple(self._layout.params[i] for i in self._dyn_idx)
-        error = explain_call_error(self._qualname, params, dyn, mesh)
-        if error is not None:
-            raise error from None
+    def plan(self, *args: Any, n_valid: Any = None, **kwargs: Any) -> tuple[Plan, tuple[Any, ...], Any]:
+        """The plan these arguments run with, its traced arguments and traced ``n_valid`` (for ``explain``)."""
+        plan, dyn, n_valid, _ = self._prepare(self._arguments(args, kwargs), n_valid)
+        return plan, dyn, n_valid
 
     def lower(self, *args: Any, n_valid: Any = None, **kwargs: Any) -> jax.stages.Lowered:
         """Lower the kernel for these arguments, like ``jax.jit(f).lower``.
@@ -270,12 +343,14 @@ class WalkerParallel:
             >>> "all-reduce" in square.lower(jnp.ones(8)).compile().as_text()
             True
         """
-        mesh, run, dyn, n_valid, _ = self._prepare(self._arguments(args, kwargs), {}, n_valid)
+        return self._lower(*self.plan(*args, n_valid=n_valid, **kwargs))
+
+    def _lower(self, plan: Plan, dyn: tuple[Any, ...], n_valid: Any) -> jax.stages.Lowered:
         try:
-            with jax.set_mesh(mesh) if _compat.context_mesh_differs(mesh) else contextlib.nullcontext():
-                return run.lower(dyn, n_valid)
-        except (TypeError, ValueError) as err:
-            self._explain(err, mesh, dyn)
+            with jax.set_mesh(plan.mesh) if _compat.context_mesh_differs(plan.mesh) else contextlib.nullcontext():
+                return plan.lower(dyn, n_valid)
+        except Exception as err:
+            self._on_error(err, plan, dyn)
             raise
 
     def explain(self, *args: Any, n_valid: Any = None, **kwargs: Any) -> Any:
@@ -297,7 +372,17 @@ class WalkerParallel:
         """
         from ._explain import explain
 
-        return explain(self, args, kwargs, n_valid)
+        if inside_kernel() is not None:
+            raise CallError(
+                message(
+                    self._qualname,
+                    "explain() was called inside a kernel body, where there is no separate program to explain.",
+                    fix="call kernel.explain(...) outside, with the arguments of the outer call.",
+                )
+            )
+        args = self._arguments(args, kwargs)
+        plan, dyn, n_valid = self.plan(*args, n_valid=n_valid)
+        return explain(plan, self._lower(plan, dyn, n_valid), args, dyn, n_valid, warn_key=self)
 
     def __get__(self, instance: Any, owner: Any = None) -> Any:
         if instance is None:
@@ -311,55 +396,6 @@ class WalkerParallel:
         return WalkerParallel(
             self.__wrapped__, None, mesh=self._mesh, options=self._options, replicated=self._replicated | names
         )
-
-
-def _largest_fitting_chunk(
-    kernel: WalkerParallel, jitted: Callable[[Options], Any], mesh: Mesh, dyn: tuple[Any, ...], n_valid: Any
-) -> tuple[Callable[..., Any], int | None]:
-    """``batch_size="auto"``: the largest chunk whose compiled per-device bytes fit the budget.
-
-    Candidates are all walkers of a device at once, then powers of two below that; the
-    compiled memory grows with the chunk, so a bisection needs a few compilations at most
-    (one when everything fits at once).
-    """
-    from ._memory import compiled_memory, device_memory_budget, format_bytes
-
-    options = kernel._options
-    n = kernel._walker_count(dyn) or 1
-    size = _compat.axis_size(mesh, options.axis_name)
-    per_device = -(-n // size)
-    budget = options.memory_budget or device_memory_budget(mesh.devices.flat[0])
-    candidates: list[int | None] = [1 << k for k in range(max(per_device - 1, 1).bit_length()) if 1 << k < per_device]
-    candidates.append(None)  # ascending: 1, 2, 4, ..., then every walker at once
-    tried: dict[int | None, tuple[Any, int]] = {}
-
-    def needs(bs: int | None) -> int:
-        if bs not in tried:
-            run = jitted(dataclasses.replace(options, batch_size=bs))
-            with jax.set_mesh(mesh) if _compat.context_mesh_differs(mesh) else contextlib.nullcontext():
-                compiled = run.lower(dyn, n_valid).compile()
-            tried[bs] = (run, compiled_memory(compiled).total_bytes)
-        return tried[bs][1]
-
-    if needs(None) <= budget:
-        return tried[None][0], None
-    lo, hi = -1, len(candidates) - 1  # candidates[lo] fits (-1: none known yet); candidates[hi] does not
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if needs(candidates[mid]) <= budget else (lo, mid)
-    if lo < 0:
-        raise CallError(
-            message(
-                kernel._qualname,
-                "batch_size='auto' found no chunk that fits the per-device memory budget: even one walker at a time "
-                "needs more.",
-                got=f"{format_bytes(needs(candidates[0]))} per device for batch_size={candidates[0]}, "
-                f"{format_bytes(needs(None))} for all {per_device} walkers of a device at once",
-                expected=f"at most {format_bytes(budget)} per device (memory_budget)",
-                fix="spread the walkers over more devices, shrink the per-walker work, or raise memory_budget=.",
-            )
-        )
-    return tried[candidates[lo]][0], candidates[lo]
 
 
 @overload

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
-__all__ = ["CallError", "DecorationError", "ShardvmcError", "UnhashableStaticError", "message"]
+from typing import Any
+
+import jax
+import numpy as np
+
+__all__ = ["CallError", "DecorationError", "ShardvmcError", "UnhashableStaticError", "describe", "message"]
 
 
 class ShardvmcError(Exception):
@@ -52,3 +57,20 @@ def message(
         if text is not None:
             lines.append(f"  {label + ':':<9} {text}")
     return "\n".join(lines)
+
+
+def describe(tree: Any) -> str:
+    """A pytree with each leaf shown as ``dtype[shape]`` (or its type name), for messages.
+
+    Example:
+        >>> import numpy as np
+        >>> from shardvmc._errors import describe
+        >>> describe({"r": np.zeros((8, 3), np.float32), "label": "H2"})
+        "{'label': 'str', 'r': 'float32[8, 3]'}"
+    """
+
+    def one(x: Any) -> str:
+        dtype = getattr(x, "dtype", None)
+        return f"{dtype}{list(np.shape(x))}" if dtype is not None else type(x).__name__
+
+    return str(jax.tree_util.tree_map(one, tree))

@@ -22,22 +22,19 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from . import _compat
-from ._errors import CallError, message
-from ._kernel import inside_kernel, signature_of, spec
+from ._errors import message
+from ._kernel import spec as spec_of
 from ._markers import Kind
 from ._memory import compiled_memory, format_bytes
 from ._placement import pad_n_walkers
 
 if TYPE_CHECKING:
-    from ._decorator import WalkerParallel
+    from ._plan import Plan
 
 __all__ = ["COLLECTIVES", "CommunicationWarning", "Entry", "Explanation", "count_collectives", "explain"]
 
 COLLECTIVES = ("all-reduce", "all-gather", "all-to-all", "collective-permute", "reduce-scatter")
 """The HLO collectives counted, in report order."""
-
-_ASKED = frozenset({"all-reduce"})
-"""The collectives the markers ask for: Mean/Sum outputs, ``sv.all_walkers``, Replicated block outputs."""
 
 _UNASKED = ("all-gather", "all-to-all")
 """The collectives that move walker data, which no marker asks for: they warn."""
@@ -245,12 +242,13 @@ def _placed(leaf: Any) -> PartitionSpec | None:
     return sharding.spec if isinstance(sharding, NamedSharding) else None
 
 
-def _parameters(kernel: WalkerParallel, args: tuple[Any, ...], dyn: tuple[Any, ...]) -> tuple[Entry, ...]:
-    axis = kernel._options.axis_name
-    values = dict(zip(kernel._dyn_idx, dyn))
-    values.update(zip(kernel._static_idx, kernel._statics_of(args)))
+def _parameters(plan: Plan, args: tuple[Any, ...], dyn: tuple[Any, ...]) -> tuple[Entry, ...]:
+    spec = plan.spec
+    axis = spec.options.axis_name
+    values = dict(zip(spec.dyn_idx, dyn))
+    values.update(zip(spec.static_idx, spec.statics_of(args)))
     entries = []
-    for i, p in enumerate(kernel._layout.params):
+    for i, p in enumerate(spec.layout.params):
         value = values[i]
         if p.kind is Kind.STATIC:
             entries.append(Entry(p.name, "", p.kind.value, None, None, f"{type(value).__name__} = {value!r}"[:60]))
@@ -258,27 +256,29 @@ def _parameters(kernel: WalkerParallel, args: tuple[Any, ...], dyn: tuple[Any, .
         for path, leaf in jax.tree_util.tree_flatten_with_path(value)[0]:
             shape, dtype = _dtype(leaf)
             keystr = jax.tree_util.keystr(path)
-            entries.append(Entry(p.name, keystr, p.kind.value, spec(p.kind, axis), shape, dtype, _placed(leaf)))
+            entries.append(Entry(p.name, keystr, p.kind.value, spec_of(p.kind, axis), shape, dtype, _placed(leaf)))
     return tuple(entries)
 
 
-def _outputs(kernel: WalkerParallel, out_info: Any, pads_inside: bool) -> tuple[Entry, ...]:
-    axis = kernel._options.axis_name
-    output = kernel._layout.output
+def _outputs(plan: Plan, out_info: Any, pads_inside: bool) -> tuple[Entry, ...]:
+    axis = plan.spec.options.axis_name
+    output = plan.spec.layout.output
+    if plan.replicated_check == "values":
+        out_info = out_info[0]  # the program's last output is the check of its Replicated outputs
     parts = [("return", output, out_info)] if isinstance(output, Kind) else []
     if not isinstance(output, Kind):
         parts = [(f"return[{i}]", k, o) for i, (k, o) in enumerate(zip(output, out_info))]
     entries = []
     for name, kind, info in parts:
         # An uneven count cannot keep its walker sharding on the way out: the outputs come back replicated.
-        layout = PartitionSpec() if pads_inside else spec(kind, axis)
+        layout = PartitionSpec() if pads_inside else spec_of(kind, axis)
         for path, leaf in jax.tree_util.tree_flatten_with_path(info)[0]:
             shape, dtype = _dtype(leaf)
             entries.append(Entry(name, jax.tree_util.keystr(path), kind.value, layout, shape, dtype))
     return tuple(entries)
 
 
-def _cause(kernel: WalkerParallel, mesh: Mesh, dyn: tuple[Any, ...], n: int, size: int) -> tuple[str, str]:
+def _cause(plan: Plan, mesh: Mesh, dyn: tuple[Any, ...], n: int, size: int) -> tuple[str, str]:
     """The likely reason for an all-gather or all-to-all, and its fix."""
     n_pad = pad_n_walkers(n, size)
     if n != n_pad:
@@ -288,8 +288,8 @@ def _cause(kernel: WalkerParallel, mesh: Mesh, dyn: tuple[Any, ...], n: int, siz
             f"keep a padded walker set: `walkers = sv.WalkerSet(*sv.pad_walker(walkers, sv.pad_n_walkers({n}, "
             f"{size})))`, or initialise with sv.initialize_walkers_sharded.",
         )
-    axis = kernel._options.axis_name
-    params = [kernel._layout.params[i] for i in kernel._dyn_idx]
+    axis = plan.spec.options.axis_name
+    params = plan.spec.dyn_params
     sharded, misplaced = [], []
     for p, arg in zip(params, dyn):
         for path, leaf in jax.tree_util.tree_flatten_with_path(arg)[0]:
@@ -300,7 +300,7 @@ def _cause(kernel: WalkerParallel, mesh: Mesh, dyn: tuple[Any, ...], n: int, siz
             where = f"{p.kind.value} argument {p.name}{jax.tree_util.keystr(path)} (passed as {placed})"
             if p.kind is not Kind.PER_WALKER:
                 sharded.append(where)
-            elif not sharding.is_equivalent_to(NamedSharding(mesh, spec(p.kind, axis)), leaf.ndim):
+            elif not sharding.is_equivalent_to(NamedSharding(mesh, spec_of(p.kind, axis)), leaf.ndim):
                 misplaced.append(where)
     if sharded:
         return (
@@ -323,15 +323,14 @@ def _cause(kernel: WalkerParallel, mesh: Mesh, dyn: tuple[Any, ...], n: int, siz
     )
 
 
-def explain(kernel: WalkerParallel, args: tuple[Any, ...], kwargs: dict[str, Any], n_valid: Any) -> Explanation:
-    """The :class:`Explanation` of ``kernel`` called with these arguments (``kernel.explain``).
+def explain(
+    plan: Plan, lowered: jax.stages.Lowered, args: tuple[Any, ...], dyn: tuple[Any, ...], n_valid: Any, *, warn_key: Any
+) -> Explanation:
+    """The :class:`Explanation` of a call with plan ``plan`` (``kernel.explain``).
 
-    Compiles the kernel (as ``kernel.lower(...).compile()`` does; the compilation is
+    Compiles ``lowered`` (as ``kernel.lower(...).compile()`` does; the compilation is
     not cached for the calls) and warns :class:`CommunicationWarning` once per kernel
-    when the program holds an all-gather or an all-to-all.
-
-    Raises:
-        CallError: inside a kernel body, and wherever the call itself would raise.
+    (``warn_key``) when the program holds an all-gather or an all-to-all.
 
     Example:
         >>> import jax, jax.numpy as jnp, shardvmc as sv
@@ -344,58 +343,30 @@ def explain(kernel: WalkerParallel, args: tuple[Any, ...], kwargs: dict[str, Any
         >>> [(p.name, str(p.spec), p.shape) for p in e.parameters]
         [('alpha', 'P()', ()), ('r', "P('walkers',)", (16, 3))]
     """
-    if inside_kernel() is not None:
-        raise CallError(
-            message(
-                kernel._qualname,
-                "explain() was called inside a kernel body, where there is no separate program to explain.",
-                fix="call kernel.explain(...) outside, with the arguments of the outer call.",
-            )
-        )
-    bound = kernel._arguments(args, kwargs)
-    mesh, run, dyn, valid, count = kernel._prepare(bound, {}, n_valid)
-    lowered = kernel.lower(*args, n_valid=n_valid, **kwargs)
+    mesh = plan.mesh
     with jax.set_mesh(mesh) if _compat.context_mesh_differs(mesh) else contextlib.nullcontext():
         compiled = lowered.compile()
-
-    axis = kernel._options.axis_name
-    size = _compat.axis_size(mesh, axis)
-    n = kernel._walker_count(dyn) or 0
-    n_pad = pad_n_walkers(n, size) if n else 0
-    if count is not None:
-        n_valid_out: int | None = count
-    elif valid is None:
-        n_valid_out = n
-    elif isinstance(valid, jax.core.Tracer):
-        n_valid_out = None
-    else:
-        n_valid_out = int(valid)
-
+    spec = plan.spec
+    size, n, n_pad = plan.n_devices, plan.n_walkers, plan.n_padded
     collectives = count_collectives(compiled.as_text())
     unexpected = {k: v for k, v in collectives.items() if k in _UNASKED}
-    cause, fix = _cause(kernel, mesh, dyn, n, size) if unexpected else (None, None)
-    try:
-        out_info = lowered.out_info
-    except Exception:  # older JAX: no out_info; the outputs are then not listed
-        out_info = None
+    cause, fix = _cause(plan, mesh, dyn, n, size) if unexpected else (None, None)
     memory = compiled_memory(compiled)
     explanation = Explanation(
-        kernel=kernel._qualname,
+        kernel=spec.qualname,
         mesh_shape={str(k): int(v) for k, v in mesh.shape.items()},
         device_ids=tuple(int(d.id) for d in mesh.devices.flat),
-        walker_axis=axis,
+        walker_axis=spec.options.axis_name,
         n_devices=size,
-        parameters=_parameters(kernel, bound, dyn),
-        outputs=_outputs(kernel, out_info, n != n_pad) if out_info is not None else (),
+        parameters=_parameters(plan, args, dyn),
+        outputs=_outputs(plan, lowered.out_info, n != n_pad),
         n_walkers=n,
         n_padded=n_pad,
         pads_inside=n != n_pad,
-        n_valid=n_valid_out,
+        n_valid=plan.n_valid if n_valid is None or isinstance(n_valid, jax.core.Tracer) else int(n_valid),
         walkers_per_device=n_pad // size,
-        batched=kernel._options.batched,
-        batch_size=kernel.chosen_batch_sizes.get(signature_of(dyn))
-        if kernel._options.batch_size == "auto"
-        else kernel._options.batch_size,
+        batched=spec.options.batched,
+        batch_size=plan.batch_size,
         collectives=collectives,
         unexpected=unexpected,
         cause=cause,
@@ -405,12 +376,12 @@ def explain(kernel: WalkerParallel, args: tuple[Any, ...], kwargs: dict[str, Any
         temp_bytes=memory.temp_bytes,
         generated_code_bytes=memory.code_bytes,
     )
-    if unexpected and kernel not in _warned:
-        _warned.add(kernel)
+    if unexpected and warn_key not in _warned:
+        _warned.add(warn_key)
         found = ", ".join(f"{v} {k}{'s' if v != 1 else ''}" for k, v in unexpected.items())
         warnings.warn(
             message(
-                kernel._qualname,
+                spec.qualname,
                 f"the compiled kernel holds {found}, which no marker asks for (shardvmc places only all-reduces), "
                 "so it moves data between devices on every call.",
                 got=f"collectives {collectives}; likely cause: {cause}",

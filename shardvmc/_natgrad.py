@@ -23,7 +23,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from . import _compat
-from ._errors import CallError, message
+from ._errors import CallError, describe, message
 from ._memory import compiled_memory, device_memory_budget, format_bytes
 from ._mesh import resolve_mesh
 from ._placement import leading_size, pad_n_walkers, pad_walker
@@ -221,7 +221,13 @@ def _cg(mesh: Mesh, axis: str, cfg: _Config, j: Any, e: Any, mu: Any, emean: Any
         jc = masked(_centred(j_loc, mu, scale), mask).reshape(n_local * r, p)
         ec = masked(_centred(e_loc, emean, scale), mask).reshape(n_local * r)
         b, diag = jax.lax.psum((rmatvec(jc, ec), jnp.sum(jnp.abs(jc) ** 2, axis=0)), axis)
-        precondition = 1.0 / (diag + damping) if cfg.jacobi else jnp.ones((), real_dtype)
+        # The pseudo-inverse of the diagonal: a zero entry (damping=0 and a parameter J does not depend on)
+        # is a zero row of S with a zero right-hand side; 0 there keeps CG off that direction, which gives
+        # the minimum-norm solution, where 1 / 0 would make every entry NaN.
+        shifted = diag + damping
+        usable = shifted > jnp.finfo(real_dtype).tiny
+        inverse = jnp.where(usable, 1.0 / jnp.where(usable, shifted, 1.0), 0.0)
+        precondition = inverse if cfg.jacobi else jnp.ones((), real_dtype)
 
         def apply(v: jax.Array) -> jax.Array:
             return jax.lax.psum(rmatvec(jc, jc @ v), axis) + damping * v
@@ -313,14 +319,6 @@ def estimate_bytes(method: str, n: int, p: int, d: int, itemsize: int, *, rows: 
     if method == "cg":
         return shard * 2 + 8 * p * itemsize
     raise ValueError(method)
-
-
-def _describe(x: Any) -> str:
-    return str(jax.tree_util.tree_map(lambda a: f"{getattr(a, 'dtype', type(a).__name__)}{list(np.shape(a))}", x))
-
-
-def _abstract(x: Any, sharding: NamedSharding) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x), sharding=sharding)
 
 
 @functools.cache
@@ -429,8 +427,10 @@ def natural_gradient(
         rcond: the relative eigenvalue cutoff of ``solver="eigh"``.
         tol: CG's relative residual target.
         maxiter: CG's iteration limit.
-        precondition: CG with the Jacobi (diagonal) preconditioner ``diag(S) + damping``;
-            ``None``: only when P <= N. When P > N the right-hand side lies in the
+        precondition: CG with the Jacobi (diagonal) preconditioner ``diag(S) + damping``
+            (inverted where non-zero; a zero entry, a parameter J does not depend on
+            with ``damping=0``, keeps that entry of the update 0, the minimum-norm
+            solution); ``None``: only when P <= N. When P > N the right-hand side lies in the
             N-dimensional range of ``Jc^H``, where plain CG stays, while a diagonal
             scaling mixes in the null space of ``S``, whose eigenvalue is only
             ``damping``: a small residual then hides a large error.
@@ -546,7 +546,7 @@ def natural_gradient(
                 message(
                     _WHERE,
                     "previous does not have J's parameter structure.",
-                    got=_describe(previous),
+                    got=describe(previous),
                     expected=f"{p} parameters in all",
                     fix="pass the update returned by the previous call.",
                 )
@@ -612,7 +612,7 @@ def _agree_n_valid(n_valid: Any, *counts: int | None) -> Any:
 def _check_shapes(leaves: list[Any], J: Any, e: Any) -> int:
     """The walker count N of J and e; ``CallError`` naming the shapes when they do not fit."""
     if not leaves:
-        raise CallError(message(_WHERE, "J has no array leaves.", got=_describe(J), fix="pass an (N, P) array."))
+        raise CallError(message(_WHERE, "J has no array leaves.", got=describe(J), fix="pass an (N, P) array."))
     n = leading_size(J, _WHERE, "J")
     for leaf in leaves:
         if np.ndim(leaf) < 1 or not jnp.issubdtype(jnp.result_type(leaf), jnp.inexact):
@@ -620,7 +620,7 @@ def _check_shapes(leaves: list[Any], J: Any, e: Any) -> int:
                 message(
                     _WHERE,
                     "J must hold floating-point (or complex) arrays with the walker axis first.",
-                    got=_describe(J),
+                    got=describe(J),
                     fix="pass the log-derivatives as float arrays of shape (N, P) (or (N, ...) leaves).",
                 )
             )
@@ -629,7 +629,7 @@ def _check_shapes(leaves: list[Any], J: Any, e: Any) -> int:
             message(
                 _WHERE,
                 "e must hold one local energy per walker of J.",
-                got=f"J {_describe(J)}, e {_describe(e)}",
+                got=f"J {describe(J)}, e {describe(e)}",
                 expected=f"e of shape ({n},)",
                 fix="pass the per-walker local energies (a PerWalker output), not their mean.",
             )
@@ -668,7 +668,7 @@ def _budget_message(
     return message(
         _WHERE,
         f"no solver fits the per-device memory budget of {format_bytes(budget)} (method={method!r}).",
-        got=f"J {_describe(J)} on mesh {dict(mesh.shape)}; tried: " + "; ".join(tried),
+        got=f"J {describe(J)} on mesh {dict(mesh.shape)}; tried: " + "; ".join(tried),
         fix=fix,
     )
 

@@ -13,6 +13,7 @@ from jax.sharding import Mesh, NamedSharding
 from . import _compat
 from ._errors import CallError, message
 from ._mesh import get_replicated_sharding, get_walker_sharding, resolve_mesh
+from ._walkerset import split_walker_set
 
 __all__ = [
     "assemble_sharded",
@@ -79,7 +80,10 @@ def _place(leaf: Any, sharding: NamedSharding) -> jax.Array:
         if leaf.is_fully_addressable and not sharding.is_fully_addressable:
             leaf = np.asarray(leaf)
         else:
-            return jax.device_put(leaf, sharding)
+            # A private copy first: device_put hands back the caller's buffer for the shard on the device it
+            # lives on (also with may_alias=False, measured on JAX 0.10.2), which a step that donates its
+            # arguments (kfac-jax's does) would then delete under the caller.
+            return jax.device_put(jnp.array(leaf, copy=True), sharding)
     host = np.asarray(leaf)
     if host.dtype == object:
         raise TypeError(f"leaf of type {type(leaf).__name__} is not an array")
@@ -306,6 +310,7 @@ def gather_walkers(tree: Any) -> Any:
         >>> type(sv.gather_walkers(x)).__name__
         'ndarray'
     """
+    split_walker_set(tree, "gather_walkers")  # a set whose count no longer fits its data is refused
 
     def fetch(x: Any) -> Any:
         if isinstance(x, jax.Array) and not x.is_fully_addressable:

@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ._errors import CallError, message
 
@@ -28,6 +29,7 @@ __all__ = [
     "local_indices",
     "masked",
     "mean_of",
+    "psum_tree",
     "reduce_blocks",
     "rmatvec",
     "row_sum",
@@ -102,10 +104,86 @@ def reduce_blocks(local: Callable[..., Any], blocks: tuple[Any, ...], mask: Any,
     """``psum`` over ``axes`` of ``local(*blocks)`` with the invalid rows of every block zeroed.
 
     Every walker statistic of shardvmc is this: one local product of this device's valid
-    rows and one all-reduce.
+    rows and one all-reduce (:func:`psum_tree`).
     """
     rows = tuple(jax.tree_util.tree_map(lambda x: masked(x, mask), b) for b in blocks)
-    return jax.tree_util.tree_map(lambda y: jax.lax.psum(y, axes), local(*rows))
+    return psum_tree(local(*rows), axes)
+
+
+# Beyond this many devices, two 16-bit halves of an int32 no longer add up exactly in float32
+# (a sum of D halves needs 16 + log2(D) bits of float32's 24-bit significand).
+_MAX_DEVICES_FOR_HALVES = 256
+
+
+def psum_tree(tree: Any, axes: tuple[str, ...]) -> Any:
+    """``psum`` of every leaf of ``tree`` over ``axes`` in ONE all-reduce, whatever the dtypes.
+
+    JAX gives each dtype its own all-reduce; a step that reduces a float energy and an
+    integer acceptance count would pay two latencies. The leaves are packed into one
+    real buffer of the widest float present (at least float32; float64 when integers
+    meet x64), summed, and unpacked. Integers travel exactly: as float64 while sums stay
+    below 2**53, else as two 16-bit halves in float32, exact up to 256 devices (beyond,
+    integer leaves get their own all-reduce). Complex leaves travel as real and
+    imaginary parts.
+    """
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    if len(leaves) <= 1 or len({jnp.result_type(x) for x in leaves}) == 1:
+        if len(leaves) <= 1:
+            return jax.tree_util.tree_map(lambda y: jax.lax.psum(y, axes), tree)
+        return jax.tree_util.tree_unflatten(treedef, _psum_same(leaves, axes))
+    floats = [jnp.finfo(x.dtype).dtype for x in leaves if jnp.issubdtype(x.dtype, jnp.inexact)]
+    has_ints = len(floats) < len(leaves)
+    buffer = jnp.result_type(jnp.float32, *floats)
+    if has_ints and jax.config.jax_enable_x64:
+        buffer = jnp.dtype(jnp.float64)
+    halves = has_ints and buffer != jnp.float64
+    if halves and jax.lax.axis_size(axes) > _MAX_DEVICES_FOR_HALVES:
+        ints = [i for i, x in enumerate(leaves) if not jnp.issubdtype(x.dtype, jnp.inexact)]
+        rest = [i for i in range(len(leaves)) if i not in ints]
+        out = list(leaves)
+        for group in (ints, rest):
+            for i, y in zip(group, psum_tree([leaves[i] for i in group], axes)):
+                out[i] = y
+        return jax.tree_util.tree_unflatten(treedef, out)
+    parts = [_encode(x, buffer, halves) for x in leaves]
+    total = jax.lax.psum(jnp.concatenate([p.reshape(-1) for p in parts]), axes)
+    out, start = [], 0
+    for x, p in zip(leaves, parts):
+        out.append(_decode(total[start : start + p.size].reshape(p.shape), x, halves))
+        start += p.size
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _psum_same(leaves: list[Any], axes: tuple[str, ...]) -> list[Any]:
+    """One all-reduce of leaves of one dtype: flattened, joined, summed and cut apart again."""
+    total = jax.lax.psum(jnp.concatenate([jnp.reshape(x, -1) for x in leaves]), axes)
+    out, start = [], 0
+    for x in leaves:
+        size = int(np.prod(np.shape(x), dtype=np.int64))
+        out.append(total[start : start + size].reshape(np.shape(x)))
+        start += size
+    return out
+
+
+def _encode(x: jax.Array, buffer: Any, halves: bool) -> jax.Array:
+    """``x`` as real numbers of dtype ``buffer`` that add up to the encoding of its sum."""
+    if jnp.issubdtype(x.dtype, jnp.complexfloating):
+        return jnp.stack([jnp.real(x), jnp.imag(x)]).astype(buffer)
+    if jnp.issubdtype(x.dtype, jnp.inexact) or not halves:
+        return jnp.asarray(x).astype(buffer)[None]
+    wide = jnp.asarray(x).astype(jnp.int32)
+    return jnp.stack([jnp.right_shift(wide, 16), jnp.bitwise_and(wide, 0xFFFF)]).astype(buffer)
+
+
+def _decode(total: jax.Array, like: jax.Array, halves: bool) -> jax.Array:
+    if jnp.issubdtype(like.dtype, jnp.complexfloating):
+        return jax.lax.complex(total[0], total[1]).astype(like.dtype)
+    if jnp.issubdtype(like.dtype, jnp.inexact):
+        return total[0].astype(like.dtype)
+    if not halves:
+        return jnp.round(total[0]).astype(like.dtype)
+    high, low = (jnp.round(total[i]).astype(jnp.int32) for i in (0, 1))
+    return (jnp.left_shift(high, 16) + low).astype(like.dtype)
 
 
 def mean_of(total: Any, count: Any) -> Any:
@@ -191,7 +269,7 @@ class _AllWalkers:
 
     def count(self) -> jax.Array:
         """The number of valid walkers of all devices (an int32 scalar)."""
-        return _body("count").count
+        return jnp.asarray(_body("count").count, jnp.int32)
 
     def __repr__(self) -> str:
         return "shardvmc.all_walkers"

@@ -1,14 +1,15 @@
-"""``WalkerSet``: walkers that carry their own valid count."""
+"""``WalkerSet``: walkers that carry their own valid count, and the operations that keep it right."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._errors import CallError, message
+from ._errors import CallError, describe, message
 
 __all__ = ["WalkerSet", "check_n_valid", "split_walker_set"]
 
@@ -25,13 +26,20 @@ class WalkerSet:
     ``WalkerSet``s with the same count, so ``walkers = step(params, walkers, key)``
     loops without any bookkeeping.
 
+    ``jax.tree.map`` over a set maps the data and keeps the count as it is: right for
+    maps that keep the walker axis (a Metropolis move, a change of dtype), wrong for
+    maps that change which walkers are held. Slice, concatenate and split sets with
+    ``walkers[a:b]``, :meth:`concatenate` and :meth:`split`, which keep the count
+    right; :meth:`valid` gives the real walkers alone. A set whose count no longer fits
+    its data (more valid walkers than rows) is refused by every shardvmc entry point.
+
     Args:
         data: the walkers, any pytree of arrays with the walker axis first.
         n_valid: the number of real walkers (the first ones); ``None``: all of them.
 
     Raises:
         CallError: when ``n_valid`` is not an integer in ``1..n_walkers``, or the leaves
-            hold different numbers of walkers.
+            hold different numbers of walkers (scalar leaves, which are left alone, apart).
 
     Example:
         >>> import jax.numpy as jnp, shardvmc as sv
@@ -55,17 +63,8 @@ class WalkerSet:
                     fix="pass walkers.data, or use walkers.replace(n_valid=...) to change the count.",
                 )
             )
-        n = _walker_count(data)
+        n = _common_count(data)
         if n_valid is None:
-            if n is None:
-                raise CallError(
-                    message(
-                        "WalkerSet",
-                        "data has no array leaf with a walker axis, so the count is unknown.",
-                        got=str(jax.tree_util.tree_structure(data)),
-                        fix="pass arrays of shape (n_walkers, ...).",
-                    )
-                )
             n_valid = n
         if isinstance(n_valid, bool) or not isinstance(n_valid, (int, np.integer)):
             if hasattr(n_valid, "shape") and np.shape(n_valid) == () and not isinstance(n_valid, jax.core.Tracer):
@@ -80,7 +79,7 @@ class WalkerSet:
                     )
                 )
         n_valid = int(n_valid)
-        if n is not None and not 1 <= n_valid <= n:
+        if not 1 <= n_valid <= n:
             raise CallError(
                 message(
                     "WalkerSet",
@@ -97,7 +96,7 @@ class WalkerSet:
     @property
     def n_walkers(self) -> int:
         """The number of walkers held, padding included (the leading size of ``data``)."""
-        n = _walker_count(self.data)
+        n = _first_count(self.data)
         return self.n_valid if n is None else n
 
     @property
@@ -115,26 +114,160 @@ class WalkerSet:
         """
         return WalkerSet(self.data if data is None else data, self.n_valid if n_valid is None else n_valid)
 
+    def valid(self) -> WalkerSet:
+        """The real walkers alone: the first ``n_valid``, as a set without padding.
+
+        Example:
+            >>> import jax.numpy as jnp, shardvmc as sv
+            >>> sv.WalkerSet(jnp.arange(8.0), n_valid=5).valid().data.tolist()
+            [0.0, 1.0, 2.0, 3.0, 4.0]
+        """
+        return self[: self.n_valid]
+
+    def __getitem__(self, index: slice) -> WalkerSet:
+        """Walkers ``start:stop`` (step 1); the count is the number of real walkers among them.
+
+        Example:
+            >>> import jax.numpy as jnp, shardvmc as sv
+            >>> part = sv.WalkerSet(jnp.arange(16.0), n_valid=13)[8:16]
+            >>> part.n_walkers, part.n_valid
+            (8, 5)
+        """
+        if not isinstance(index, slice) or index.step not in (None, 1):
+            raise CallError(
+                message(
+                    "WalkerSet",
+                    "a walker set is indexed by a slice of walkers with step 1 (`walkers[a:b]`).",
+                    got=repr(index),
+                    fix="index walkers.data for anything else, and build a new WalkerSet with the count you mean.",
+                )
+            )
+        start, stop, _ = index.indices(self.n_walkers)
+        stop = max(start, stop)
+        n_valid = min(stop, self.n_valid) - start
+        if n_valid < 1:
+            raise CallError(
+                message(
+                    "WalkerSet",
+                    f"walkers[{start}:{stop}] holds no real walker (the first {self.n_valid} of {self.n_walkers} are "
+                    "real), and a walker set holds at least one.",
+                    fix="slice inside the real walkers, e.g. walkers.valid()[a:b].",
+                )
+            )
+        return WalkerSet(_rows(self.data, lambda x: x[start:stop]), n_valid)
+
+    @staticmethod
+    def concatenate(sets: Sequence[WalkerSet]) -> WalkerSet:
+        """One set of the walkers of ``sets``: every set's real walkers in order, then every set's padding.
+
+        The real walkers must come first in a set, so the padding of each part moves to
+        the end; the walker count is the sum of the parts' (so it stays a multiple of the
+        device count when every part's is).
+
+        Example:
+            >>> import jax.numpy as jnp, shardvmc as sv
+            >>> a = sv.WalkerSet(jnp.array([1.0, 2.0, 0.0]), n_valid=2)
+            >>> b = sv.WalkerSet(jnp.array([3.0, 4.0, 5.0]))
+            >>> both = sv.WalkerSet.concatenate([a, b])
+            >>> both.data.tolist(), both.n_valid
+            ([1.0, 2.0, 3.0, 4.0, 5.0, 0.0], 5)
+        """
+        sets = list(sets)
+        if not sets or not all(isinstance(s, WalkerSet) for s in sets):
+            raise CallError(
+                message(
+                    "WalkerSet.concatenate",
+                    "expects a non-empty sequence of WalkerSets.",
+                    got=", ".join(type(s).__name__ for s in sets) or "nothing",
+                )
+            )
+        structure = jax.tree_util.tree_structure(sets[0].data)
+        for i, s in enumerate(sets[1:], 1):
+            if jax.tree_util.tree_structure(s.data) != structure:
+                raise CallError(
+                    message(
+                        "WalkerSet.concatenate",
+                        f"set {i} holds another pytree than set 0.",
+                        got=describe(s.data),
+                        expected=describe(sets[0].data),
+                    )
+                )
+        parts = [s.data for s in sets]
+
+        def join(*leaves: Any) -> Any:
+            if np.ndim(leaves[0]) == 0:
+                return leaves[0]
+            xp = np if all(isinstance(x, np.ndarray) for x in leaves) else jnp
+            real = [x[: s.n_valid] for x, s in zip(leaves, sets)]
+            padding = [x[s.n_valid :] for x, s in zip(leaves, sets) if s.n_padding]
+            return xp.concatenate(real + padding, axis=0)
+
+        return WalkerSet(jax.tree_util.tree_map(join, *parts), sum(s.n_valid for s in sets))
+
+    def split(self, counts: Sequence[int]) -> list[WalkerSet]:
+        """The real walkers cut into consecutive sets of ``counts`` walkers (no padding in the parts).
+
+        ``counts`` must add up to ``n_valid``. Pad a part for a mesh with :meth:`pad_to`.
+
+        Example:
+            >>> import jax.numpy as jnp, shardvmc as sv
+            >>> a, b = sv.WalkerSet(jnp.arange(8.0), n_valid=5).split([2, 3])
+            >>> a.data.tolist(), b.data.tolist()
+            ([0.0, 1.0], [2.0, 3.0, 4.0])
+        """
+        counts = [int(c) for c in counts]
+        if sum(counts) != self.n_valid or any(c < 1 for c in counts):
+            raise CallError(
+                message(
+                    "WalkerSet.split",
+                    "the counts must be positive and add up to the number of real walkers.",
+                    got=f"counts {counts} (sum {sum(counts)})",
+                    expected=f"positive counts adding up to n_valid={self.n_valid}",
+                )
+            )
+        bounds = np.cumsum([0, *counts])
+        return [self[int(a) : int(b)] for a, b in zip(bounds[:-1], bounds[1:])]
+
+    def pad_to(self, n_walkers: int) -> WalkerSet:
+        """The same set padded to ``n_walkers`` walkers with copies of walker 0 (a valid configuration).
+
+        Example:
+            >>> import jax.numpy as jnp, shardvmc as sv
+            >>> w = sv.WalkerSet(jnp.array([1.0, 2.0, 3.0])).pad_to(sv.pad_n_walkers(3, 4))
+            >>> w.data.tolist(), w.n_valid
+            ([1.0, 2.0, 3.0, 1.0], 3)
+        """
+        extra = int(n_walkers) - self.n_walkers
+        if extra <= 0:
+            return self
+
+        def pad(x: Any) -> Any:
+            xp = np if isinstance(x, np.ndarray) else jnp
+            return xp.concatenate([x, xp.repeat(x[:1], extra, axis=0)], axis=0)
+
+        return WalkerSet(_rows(self.data, pad), self.n_valid)
+
     def tree_flatten(self) -> tuple[tuple[Any], int]:
         return (self.data,), self.n_valid
 
     @classmethod
     def tree_unflatten(cls, n_valid: int, children: tuple[Any, ...]) -> WalkerSet:
-        # JAX unflattens with placeholders (None, object()) as leaves: no checks here.
+        # JAX unflattens with placeholders (None, object()) as leaves: no checks here. Entry points check
+        # that the count still fits the data (split_walker_set).
         obj = object.__new__(cls)
         object.__setattr__(obj, "data", children[0])
         object.__setattr__(obj, "n_valid", n_valid)
         return obj
 
     def __repr__(self) -> str:
-        leaves = jax.tree_util.tree_map(
-            lambda x: f"{getattr(x, 'dtype', type(x).__name__)}{list(np.shape(x))}", self.data
-        )
-        return f"WalkerSet(n_valid={self.n_valid}, data={leaves})"
+        return f"WalkerSet(n_valid={self.n_valid}, data={describe(self.data)})"
 
 
-def _walker_count(data: Any) -> int | None:
+def _first_count(data: Any) -> int | None:
     """Leading size of the first leaf that has one (``None``: no such leaf)."""
+    shape = getattr(data, "shape", None)  # walker data that is one array: no flattening on the call path
+    if shape:
+        return int(shape[0])
     for leaf in jax.tree_util.tree_leaves(data):
         shape = getattr(leaf, "shape", None)
         if shape:
@@ -142,11 +275,77 @@ def _walker_count(data: Any) -> int | None:
     return None
 
 
-def split_walker_set(x: Any) -> tuple[Any, int | None]:
-    """``(data, n_valid)`` of a ``WalkerSet``; ``(x, None)`` for anything else."""
-    if isinstance(x, WalkerSet):
-        return x.data, x.n_valid
-    return x, None
+def _common_count(data: Any) -> int:
+    """The leading size every non-scalar leaf of ``data`` shares; a ``CallError`` naming the leaves otherwise.
+
+    Scalar leaves (a step counter beside the walkers) carry no walker axis and are left
+    alone, as ``sv.shard_walker`` replicates them.
+    """
+    first: tuple[str, int] | None = None
+    for path, leaf in jax.tree_util.tree_flatten_with_path(data)[0]:
+        name = jax.tree_util.keystr(path) or "<root>"
+        shape = np.shape(leaf) if hasattr(leaf, "shape") or isinstance(leaf, (int, float, complex)) else None
+        if shape is None:
+            raise CallError(
+                message(
+                    "WalkerSet",
+                    f"leaf {name} of data is not an array.",
+                    got=type(leaf).__name__,
+                    expected="arrays with the walker axis first",
+                    fix="keep settings out of the walker data (pass them as Replicated or Static arguments).",
+                )
+            )
+        if not shape:
+            continue
+        if first is None:
+            first = (name, int(shape[0]))
+        elif int(shape[0]) != first[1]:
+            raise CallError(
+                message(
+                    "WalkerSet",
+                    "the leaves of data hold different numbers of walkers.",
+                    got=f"{first[0]} has {first[1]} walkers, {name} has {shape[0]}",
+                    expected="one leading walker size for every non-scalar leaf",
+                )
+            )
+    if first is None:
+        raise CallError(
+            message(
+                "WalkerSet",
+                "data has no array leaf with a walker axis, so the count is unknown.",
+                got=str(jax.tree_util.tree_structure(data)),
+                fix="pass arrays of shape (n_walkers, ...).",
+            )
+        )
+    return first[1]
+
+
+def _rows(tree: Any, rows: Callable[[Any], Any]) -> Any:
+    """``rows(x)`` on every leaf with a walker axis; scalar leaves unchanged."""
+    return jax.tree_util.tree_map(lambda x: x if np.ndim(x) == 0 else rows(x), tree)
+
+
+def split_walker_set(x: Any, where: str = "shardvmc") -> tuple[Any, int | None]:
+    """``(data, n_valid)`` of a ``WalkerSet``; ``(x, None)`` for anything else.
+
+    Refuses a set whose count no longer fits its data, as ``jax.tree.map`` can leave one
+    (``lambda a: a[:8]`` on a set of 16 with 13 valid).
+    """
+    if not isinstance(x, WalkerSet):
+        return x, None
+    n = _first_count(x.data)
+    if n is not None and x.n_valid > n:
+        raise CallError(
+            message(
+                where,
+                f"a WalkerSet carries n_valid={x.n_valid} but holds {n} walkers: its count no longer fits its data.",
+                got=f"WalkerSet(n_valid={x.n_valid}, data={describe(x.data)})",
+                fix="jax.tree.map keeps a set's count; slice, concatenate and split sets with walkers[a:b], "
+                "sv.WalkerSet.concatenate and walkers.split, which keep it right, or set it with "
+                "walkers.replace(n_valid=...).",
+            )
+        )
+    return x.data, x.n_valid
 
 
 def check_n_valid(where: str, n_valid: Any, n_walkers: int) -> None:

@@ -14,10 +14,9 @@ Example:
 from __future__ import annotations
 
 import atexit
+import ctypes
+import functools
 import hashlib
-import importlib.metadata
-import importlib.util
-import logging
 import os
 import signal
 import sys
@@ -49,21 +48,11 @@ ENV_NUM_PROCESSES = "SHARDVMC_NUM_PROCESSES"
 ENV_PROCESS_ID = "SHARDVMC_PROCESS_ID"
 """Environment variable the launcher sets to this process's index (``0 .. n-1``)."""
 
-# Modules whose presence makes JAX pick an accelerator when JAX_PLATFORMS is unset.
-_ACCELERATOR_PLUGINS = (
-    "jax_cuda13_plugin",
-    "jax_cuda12_plugin",
-    "jax_rocm7_plugin",
-    "jax_rocm60_plugin",
-    "libtpu",
-    "jax_plugins",
-)
-
 # What this module passed to jax.distributed.initialize, to compare a second call with.
 _SETTINGS: dict[str, Any] | None = None
 
-# The exit code of a failing exit of the main thread (sys.exit(non-zero), uncaught exception).
-_FAILED_EXIT: int | None = None
+# Whether initialize set up the failing-exit handling (once per process).
+_FAIL_FAST_INSTALLED = False
 
 
 def is_launched() -> bool:
@@ -95,16 +84,6 @@ def _launched_settings() -> tuple[str, int, int]:
         ) from None
 
 
-def _platform_is_cpu() -> bool:
-    """Whether JAX will run on CPU, decided without initialising a backend."""
-    platforms = jax.config.jax_platforms or os.environ.get("JAX_PLATFORMS", "")
-    if platforms:
-        return platforms.split(",")[0].strip().lower() == "cpu"
-    if any(importlib.util.find_spec(name) is not None for name in _ACCELERATOR_PLUGINS):
-        return False
-    return not importlib.metadata.entry_points(group="jax_plugins")
-
-
 def _backends_initialized() -> bool:
     try:  # JAX has no public spelling of this question
         from jax._src import xla_bridge
@@ -129,8 +108,11 @@ def _pin_gloo_to(host: str) -> None:
 
     A group whose coordinator is on loopback lives on one machine; left alone, gloo
     binds to whatever the hostname resolves to, which sandboxes and CI runners may not
-    route. JAX creates the gloo collectives without a hostname, so the factory is
-    wrapped to supply one.
+    route. JAX 0.10.2 offers no option for it: ``make_cpu_client`` calls
+    ``make_gloo_tcp_collectives(distributed_client=...)`` without the ``hostname`` or
+    ``interface`` the factory takes, there is no config flag, and gloo reads no
+    environment variable for it. So the one factory is wrapped to supply the host (a
+    hostname or interface passed by someone else is kept); nothing else is patched.
     """
     try:  # no public spelling: JAX builds the CPU client with these collectives itself
         from jax._src import xla_bridge
@@ -151,13 +133,57 @@ def _pin_gloo_to(host: str) -> None:
     module.make_gloo_tcp_collectives = make_on_host
 
 
+def _select_cpu_collectives(coordinator_address: str | None) -> None:
+    """Give the CPU client cross-process collectives: gloo unless the program chose an implementation.
+
+    JAX's own default is gloo; only an explicit ``None`` leaves the CPU client without
+    cross-process collectives, and then every computation across processes on CPU arrays
+    fails. No platform is guessed: the CPU collectives serve CPU arrays only, and on a GPU
+    or TPU run gloo is what JAX sets up for its CPU client by default anyway, while a guess
+    from installed plugins (a CUDA plugin on a machine without a GPU, where JAX runs on
+    CPU) would leave the CPU run without them. ``mpi`` and ``megascale`` are kept as chosen.
+    """
+    if jax.config.jax_cpu_collectives_implementation is None:
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    loopback = _loopback_host(coordinator_address)
+    if loopback is not None and jax.config.jax_cpu_collectives_implementation == "gloo":
+        _pin_gloo_to(loopback)
+
+
 def _exit_code(status: Any) -> int:
     """The process exit code Python gives ``sys.exit(status)``."""
     if status is None:
         return 0
-    if isinstance(status, bool) or not isinstance(status, int):
+    if not isinstance(status, int):
         return 1  # sys.exit("message") prints the message and exits with 1
-    return status & 0xFF
+    return status & 0xFF  # a bool too: sys.exit(False) exits with 0
+
+
+def _interactive() -> bool:
+    """An interactive session, where ``sys.last_value`` holds every error shown at the prompt."""
+    return bool(sys.flags.interactive) or hasattr(sys, "ps1")
+
+
+def _leave_without_barrier() -> None:
+    """Let this failing process end without waiting in JAX's shutdown barrier.
+
+    JAX's exit handler (registered when jax is imported) calls ``jax.distributed.shutdown()``,
+    whose client waits up to 5 minutes for every process to arrive, and so does the
+    client's destructor at interpreter teardown (measured: a failing process with its
+    peer asleep ends only when the peer does). JAX has no public way to leave without
+    the barrier, so its runtime objects are taken out of its state (its handler then
+    finds nothing to shut down and still clears the backends) and kept alive until the
+    process ends (no destructor runs; the operating system closes their connections).
+    """
+    try:
+        from jax._src.distributed import global_state
+    except ImportError:  # pragma: no cover - another JAX layout: its barrier then waits
+        return
+    for name in ("preemption_sync_manager", "client", "service"):
+        obj = getattr(global_state, name, None)
+        if obj is not None:
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))  # never released: its destructor would wait
+            setattr(global_state, name, None)
 
 
 def _fail_fast_on_exit() -> None:
@@ -167,45 +193,44 @@ def _fail_fast_on_exit() -> None:
     to arrive; a process that fails while its peers keep computing would sit there,
     alive, and the launcher (or a cluster scheduler) could not tell that it failed.
     Python offers no way to read the exit code at exit, so the two ways a program fails
-    are recorded as they happen: ``sys.exit`` with a non-zero status in the main thread
-    and an uncaught exception (through ``sys.excepthook``, which runs before exit). A
-    handler registered after JAX's own (so run before it) flushes the output and ends
-    the process with that code at once (``os._exit``: exit handlers registered before
-    ``initialize`` are skipped too; JAX's teardown would wait in the barrier otherwise).
-    A successful exit is untouched.
+    are recognised as follows. An uncaught exception: Python sets ``sys.last_value``
+    before calling ``sys.excepthook``, so no hook is replaced and a hook the program
+    installs later (``rich.traceback.install()``) changes nothing. ``sys.exit(code)``
+    in the main thread: ``SystemExit`` is handled in C, out of Python's sight, so
+    ``sys.exit`` is wrapped (the wrapper records the code and calls the ``sys.exit`` it
+    found); the wrapper is removed again at exit.
+
+    An exit handler registered here runs before JAX's (atexit runs last-registered
+    first) and, after a failure, detaches JAX's distributed runtime
+    (:func:`_leave_without_barrier`). Every exit handler still runs, the one registered
+    earlier by the program (a logger, a checkpoint writer) included, and the process
+    exits with its own code. A successful exit is untouched: it waits for the peers,
+    as JAX's does.
     """
-
-    def record(code: int) -> None:
-        global _FAILED_EXIT
-        if code and threading.current_thread() is threading.main_thread():
-            _FAILED_EXIT = code
-
-    def exit_(status: Any = None) -> None:
-        record(_exit_code(status))
-        real_exit(status)
-
-    def excepthook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
-        record(128 + 2 if issubclass(kind, KeyboardInterrupt) else 1)
-        real_hook(kind, value, tb)
-
-    def exit_now() -> None:
-        if _FAILED_EXIT is None:
-            return
-        logging.shutdown()
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except Exception:  # pragma: no cover - a closed stream
-                pass
-        os._exit(_FAILED_EXIT)
-
-    if getattr(sys.exit, "shardvmc_fail_fast", False):
+    global _FAIL_FAST_INSTALLED
+    if _FAIL_FAST_INSTALLED:
         return
-    real_exit, real_hook = sys.exit, sys.excepthook
-    exit_.shardvmc_fail_fast = True  # type: ignore[attr-defined]
+    _FAIL_FAST_INSTALLED = True
+    found_exit = sys.exit
+    shown_before = getattr(sys, "last_value", None)
+    exit_status = [0]
+
+    @functools.wraps(found_exit)
+    def exit_(*args: Any) -> None:
+        if threading.current_thread() is threading.main_thread():
+            exit_status[0] = _exit_code(args[0] if args else None)  # the last call counts
+        found_exit(*args)
+
+    def at_exit() -> None:
+        if sys.exit is exit_:
+            sys.exit = found_exit
+        uncaught = getattr(sys, "last_value", None)
+        failed = exit_status[0] != 0 or (uncaught is not None and uncaught is not shown_before and not _interactive())
+        if failed and jax.distributed.is_initialized():
+            _leave_without_barrier()
+
     sys.exit = exit_
-    sys.excepthook = excepthook
-    atexit.register(exit_now)  # atexit runs last-registered first: before JAX's shutdown
+    atexit.register(at_exit)
 
 
 def _check_same(requested: dict[str, Any]) -> None:
@@ -232,31 +257,40 @@ def initialize(
     num_processes: int | None = None,
     process_id: int | None = None,
     local_device_ids: int | Sequence[int] | None = None,
+    *,
+    fail_fast: bool = True,
     **kwargs: Any,
 ) -> None:
     """Join this process to a multi-process JAX run (wraps ``jax.distributed.initialize``).
 
     With no arguments it joins the group started by ``python -m shardvmc.launch``
     when the launcher's ``SHARDVMC_*`` variables are set, and otherwise uses JAX's own
-    cluster auto-detection (SLURM, Open MPI, Kubernetes, Cloud TPU). On the CPU
-    platform it first selects the gloo cross-process collectives. Call it in every
-    process before anything touches a device (``jax.devices()``, any computation); it
-    may follow ``import shardvmc`` and the decoration of functions.
+    cluster auto-detection (SLURM, Open MPI, Kubernetes, Cloud TPU). Unless the
+    program chose a CPU collectives implementation (``jax_cpu_collectives_implementation``),
+    it selects gloo, JAX's default, for cross-process computations on CPU arrays, on any
+    platform (they serve CPU arrays only). Call it in every process before anything
+    touches a device (``jax.devices()``, any computation); it may follow
+    ``import shardvmc`` and the decoration of functions.
 
     Calling it again is a no-op when the settings asked for are the ones in place.
 
-    A process that then fails, by ``sys.exit(code)`` with a non-zero code in the main
-    thread or by an uncaught exception, exits at once with that code (1 for an
-    exception) instead of waiting up to 5 minutes in JAX's shutdown barrier for peers
-    that are still computing: ``python -m shardvmc.launch`` sees the failure and stops
-    the others. (A ``SystemExit`` raised with ``raise`` or caught and ignored by the
-    program is not seen; a successful exit still waits for the peers, as JAX's does.)
+    With ``fail_fast`` (the default), a process that then fails, by ``sys.exit(code)``
+    with a non-zero code in the main thread or by an uncaught exception, leaves without
+    waiting up to 5 minutes in JAX's shutdown barrier for peers that are still
+    computing: ``python -m shardvmc.launch`` (or a cluster scheduler) sees the failure
+    and stops the others. Its exit handlers all run and it exits with its own code. For
+    this, ``sys.exit`` is wrapped (the wrapper calls the ``sys.exit`` it found, and is
+    removed at exit); ``sys.excepthook`` is left alone. (A ``SystemExit`` raised with
+    ``raise`` is not seen; a ``sys.exit(code)`` the program catches counts until a later
+    ``sys.exit(0)``; a successful exit still waits for the peers, as JAX's does.)
 
     Args:
         coordinator_address: ``host:port`` of process 0's coordinator service.
         num_processes: the number of processes.
         process_id: this process's index, ``0 .. num_processes - 1``.
         local_device_ids: the local accelerators this process uses (e.g. ``[0]``).
+        fail_fast: let a failing process leave without JAX's shutdown barrier (see
+            above); ``False`` changes nothing in the process (JAX's exit as it is).
         **kwargs: passed on to ``jax.distributed.initialize`` (for example
             ``cluster_detection_method``, ``initialization_timeout``).
 
@@ -298,12 +332,7 @@ def initialize(
                 fix="call sv.distributed.initialize() first thing in the program, before anything touches a device.",
             )
         )
-    if _platform_is_cpu():
-        if jax.config.jax_cpu_collectives_implementation not in ("gloo", "mpi"):
-            jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        loopback = _loopback_host(coordinator_address)
-        if loopback is not None and jax.config.jax_cpu_collectives_implementation == "gloo":
-            _pin_gloo_to(loopback)
+    _select_cpu_collectives(coordinator_address)
     jax.distributed.initialize(
         coordinator_address=coordinator_address,
         num_processes=num_processes,
@@ -311,7 +340,8 @@ def initialize(
         local_device_ids=local_device_ids,
         **kwargs,
     )
-    _fail_fast_on_exit()
+    if fail_fast:
+        _fail_fast_on_exit()
     try:  # what auto-detection settled on (no public spelling)
         from jax._src.distributed import global_state
 

@@ -22,9 +22,9 @@ left after ``--grace`` seconds (JAX's preemption notifier catches SIGTERM and ca
 on, so the SIGKILL is what ends a busy or hung JAX process). The same happens when the
 launcher itself gets SIGINT (Ctrl-C) or SIGTERM: it exits with ``128 + signal`` and
 leaves no process of its groups behind. A process that fails with ``sys.exit(code)``
-or an uncaught exception after ``sv.distributed.initialize()`` exits at once instead
-of waiting in JAX's shutdown barrier for its peers (see
-:func:`shardvmc.distributed.initialize`), so the launcher sees the failure.
+or an uncaught exception after ``sv.distributed.initialize()`` leaves without waiting in
+JAX's shutdown barrier for its peers (see :func:`shardvmc.distributed.initialize`), so
+the launcher sees the failure.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import IO
 
 from .distributed import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID
@@ -118,24 +118,47 @@ def _forward(index: int, stream: IO[bytes], out: IO[str], lock: threading.Lock) 
     stream.close()
 
 
-def _stop(procs: Sequence[subprocess.Popen[bytes]], grace: float) -> None:
+class _Interrupt:
+    """The signal the launcher got (SIGINT, SIGTERM), or ``None``.
+
+    Its handler only records the signal; it never raises. An exception raised from a
+    handler lands wherever the main thread happens to be: between the launcher's
+    "stopping the others" message and the start of the stopping it left a pending
+    exception while the grace period was waited out in full, and inside the SIGKILL loop
+    it would skip the groups after it. The launcher's waits poll this instead (a plain
+    attribute: a handler that took a lock could deadlock on one the main thread holds).
+    """
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+
+    def __bool__(self) -> bool:
+        return self.signum is not None
+
+
+_POLL_S = 0.05  # how often the launcher's waits look at the processes and at a signal
+
+
+def _wait_until(done: Callable[[], bool], timeout: float, interrupt: _Interrupt) -> None:
+    """Poll ``done`` until it holds, ``timeout`` seconds pass, or a signal arrives."""
+    deadline = time.monotonic() + timeout
+    while not done() and not interrupt and time.monotonic() < deadline:
+        time.sleep(min(_POLL_S, max(0.0, deadline - time.monotonic())))
+
+
+def _stop(procs: Sequence[subprocess.Popen[bytes]], grace: float, interrupt: _Interrupt) -> None:
     """SIGTERM every running process group, then SIGKILL every group after ``grace`` seconds.
 
     Every group is killed at the end, even when its leader has exited: a child the
-    leader started lives on in the group otherwise. An interruption during the grace
-    period (Ctrl-C) cuts it short: the SIGKILL is sent anyway.
+    leader started lives on in the group otherwise. A signal to the launcher during the
+    grace period (Ctrl-C) cuts it short: the SIGKILL is sent anyway.
     """
     try:
         running = [p for p in procs if p.poll() is None]
         for p in running:
             _signal_group(p, signal.SIGTERM)
-        deadline = time.monotonic() + grace
-        for p in running:
-            try:
-                p.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
-    finally:
+        _wait_until(lambda: all(p.poll() is not None for p in running), grace, interrupt)
+    finally:  # also on a KeyboardInterrupt when launch() is called from Python
         for p in procs:
             _signal_group(p, signal.SIGKILL)
     for p in procs:
@@ -193,6 +216,21 @@ def launch(
         >>> sorted(out.getvalue().splitlines())
         ['[0] 0', '[1] 1']
     """
+    return _launch(command, processes, devices_per_process, timeout, grace, env, stdout, stderr, _Interrupt())
+
+
+def _launch(
+    command: Sequence[str],
+    processes: int,
+    devices_per_process: int | None,
+    timeout: float | None,
+    grace: float,
+    env: Mapping[str, str] | None,
+    stdout: IO[str] | None,
+    stderr: IO[str] | None,
+    interrupt: _Interrupt,
+) -> int:
+    """:func:`launch`, stopping early when ``interrupt`` is set (by :func:`main`'s signal handler)."""
     if processes < 1:
         raise ValueError(f"launch: processes must be at least 1, got {processes}.")
     if not command:
@@ -214,6 +252,8 @@ def launch(
 
     try:
         for i in range(processes):
+            if interrupt:
+                break
             proc = subprocess.Popen(
                 list(command),
                 env=process_env(base, coordinator, processes, i, devices_per_process),
@@ -229,7 +269,7 @@ def launch(
             threads.append(thread)
         deadline = None if timeout is None else time.monotonic() + timeout
         code = 0
-        while True:
+        while not interrupt:
             codes = [p.poll() for p in procs]
             failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
             if failed:
@@ -246,11 +286,10 @@ def launch(
                 say(f"timeout after {timeout:g} s; stopping every process.")
                 code = TIMEOUT_EXIT_CODE
                 break
-            time.sleep(0.05)
-    finally:  # also when interrupted (KeyboardInterrupt, or the launcher's own SIGTERM)
-        _stop(procs, grace)
-    for thread in threads:
-        thread.join(timeout=max(grace, 1.0))
+            time.sleep(_POLL_S)
+    finally:  # also on a KeyboardInterrupt when launch() is called from Python
+        _stop(procs, grace, interrupt)
+    _wait_until(lambda: not any(t.is_alive() for t in threads), max(grace, 1.0), interrupt)  # the last lines
     return code
 
 
@@ -304,29 +343,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.grace >= 0:
         parser.error(f"--grace must be at least 0, got {args.grace}.")
 
-    received: list[int] = []
+    interrupt = _Interrupt()
 
     def on_signal(signum: int, frame: object) -> None:
-        if not received:  # the first signal stops everything; later ones must not interrupt the stopping
-            received.append(signum)
-            raise _Interrupted(signum)
+        if interrupt.signum is None:  # the first signal names the exit code
+            interrupt.signum = signum
 
     handled = (signal.SIGINT, signal.SIGTERM)
     main_thread = threading.current_thread() is threading.main_thread()
     previous = {sig: signal.signal(sig, on_signal) for sig in handled} if main_thread else {}
+    code = 0
     try:
-        return launch(command, args.processes, args.devices_per_process, args.timeout, grace=args.grace)
-    except (_Interrupted, KeyboardInterrupt):
-        signum = received[0] if received else signal.SIGINT
-        print(f"[launch] got {signal.Signals(signum).name}; stopped every process.", file=sys.stderr, flush=True)
-        return 128 + signum
+        code = _launch(
+            command, args.processes, args.devices_per_process, args.timeout, args.grace, None, None, None, interrupt
+        )
+    except KeyboardInterrupt:  # not the main thread: no handler of ours, Python's own
+        interrupt.signum = signal.SIGINT
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-
-
-class _Interrupted(BaseException):
-    """The launcher got SIGINT or SIGTERM (a BaseException, like KeyboardInterrupt)."""
+    if interrupt.signum is None:
+        return code
+    print(f"[launch] got {signal.Signals(interrupt.signum).name}; stopped every process.", file=sys.stderr, flush=True)
+    return 128 + interrupt.signum
 
 
 if __name__ == "__main__":

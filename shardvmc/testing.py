@@ -30,6 +30,13 @@ def set_cpu_devices(n: int | None = None) -> None:
     :data:`CPU_SCHEDULER_FLAG` unless present. On accelerators the flags only affect the
     host platform.
 
+    With more than one fake device it also sets ``OPENBLAS_NUM_THREADS=1`` unless set:
+    jaxlib's CPU LAPACK kernels (Cholesky, triangular solves, ``eigh``) call scipy's
+    OpenBLAS, and when every fake device runs its own call at once, OpenBLAS's worker
+    threads spin on the shared cores (a 512 x 512 Cholesky replicated on 8 fake devices
+    took 100 times as long as one; see ``benchmarks/RESULTS.md``). It takes effect only
+    if scipy's OpenBLAS has not been loaded yet (JAX loads it when its backend starts).
+
     Args:
         n: the number of fake CPU devices; ``None`` sets only the scheduler flag.
 
@@ -53,6 +60,9 @@ def set_cpu_devices(n: int | None = None) -> None:
     if not any(f.startswith(CPU_SCHEDULER_FLAG.split("=")[0]) for f in flags):
         flags.append(CPU_SCHEDULER_FLAG)
     os.environ["XLA_FLAGS"] = " ".join(flags)
+    counts = [f.split("=", 1)[1] for f in flags if f.startswith("--xla_force_host_platform_device_count=")]
+    if counts and counts[-1].isdigit() and int(counts[-1]) > 1:
+        os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 
 def _arrays(tree: Any, where: str) -> list[tuple[str, jax.Array]]:

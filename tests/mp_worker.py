@@ -11,6 +11,7 @@ entry. Importing this module touches no device.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import sys
@@ -191,8 +192,26 @@ def _initialize_twice() -> dict[str, Any]:
     return {"same_again": same_again, "different": None}
 
 
+def _users_exit_hooks() -> None:
+    """What a user's program may set up before ``initialize``: an exit handler (a logger, a checkpoint
+    writer) and its own ``sys.exit``; both must still work when the process fails after ``initialize``."""
+    real_exit = sys.exit
+
+    def users_exit(status: Any = None) -> None:
+        print(f"user sys.exit({status})", flush=True)
+        real_exit(status)
+
+    def exit_handler() -> None:
+        print(f"exit handler registered before initialize ran; sys.exit restored: {sys.exit is users_exit}", flush=True)
+
+    atexit.register(exit_handler)
+    sys.exit = users_exit
+
+
 def main(argv: list[str]) -> None:
     mode, out_dir = argv
+    if mode == "crash":
+        _users_exit_hooks()
     # Switch the CPU collectives off: initialize() must select gloo again, or the
     # cross-process all-reduces below fail.
     jax.config.update("jax_cpu_collectives_implementation", None)

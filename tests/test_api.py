@@ -18,6 +18,8 @@ PUBLIC = {
     "walker_mean", "walker_sum", "jtj", "jtv",
     # natural gradient
     "natural_gradient", "NaturalGradientInfo",
+    # Monte Carlo statistics
+    "statistics", "Stats", "StatsAccumulator",
     # errors and warnings
     "ShardvmcError", "DecorationError", "CallError", "UnhashableStaticError", "PaddingWarning",
     "CommunicationWarning",
@@ -85,3 +87,18 @@ def test_import_and_decoration_never_touch_devices():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"
+
+
+SUBMODULES = {  # optional extras: shardvmc.kfac (kfac-jax) and shardvmc.optax (optax)
+    "kfac": {"Optimizer", "DiagonalBlockWarning", "check_curvature_blocks", "KFAC_JAX_PATCHED"},
+    "optax": {"natural_gradient", "clip_by_fisher_norm", "NaturalGradientState", "FisherNormState"},
+}
+
+
+def test_optional_submodules_lock_their_public_names():
+    import importlib
+
+    for name, names in SUBMODULES.items():
+        module = importlib.import_module(f"shardvmc.{name}")
+        assert set(module.__all__) == names, name
+        assert all(getattr(module, n).__doc__ for n in names if n != "KFAC_JAX_PATCHED"), name

@@ -100,8 +100,39 @@ def test_metropolis_loop_traces_and_compiles_each_kernel_once(quick):
     assert loop["finite"] and 0 < loop["acceptance"] < 1
 
 
-def test_gpu_script_runs_on_cpu(tmp_path):
-    stdout, data = _run("gpu.py", "--cpu-devices", "8", "--walkers", "16", "--reps", "2", tmp_path=tmp_path)
-    assert "no accelerator" in stdout
-    assert any("walkers per second" in row["what"] for row in data["rows"])
-    assert all(row["section"] == 8 for row in data["rows"])
+@pytest.fixture(scope="module")
+def gpu_smoke(tmp_path_factory):
+    """stdout, JSON and ``--out`` table of ``benchmarks/gpu.py --smoke`` (tiny sizes, 8 fake CPU devices)."""
+    tmp = tmp_path_factory.mktemp("gpu")
+    stdout, data = _run("gpu.py", "--smoke", "--out", str(tmp / "table.md"), tmp_path=tmp)
+    return stdout, data, (tmp / "table.md").read_text()
+
+
+def test_gpu_script_prints_one_table_with_every_ratio(gpu_smoke):
+    stdout, data, table = gpu_smoke
+    header = "| # | measurement | figure | goal | met |"
+    assert "smoke run" in stdout and stdout.count(header) == 1 and table.count(header) == 1
+    assert {row["section"] for row in data["rows"]} == {2, 8, 9, 10}  # dispatch, kernels, solvers, neural step
+    broken = [row for row in data["rows"] if row["figure"].startswith(("failed", "skipped"))]
+    assert not broken, (broken, data["facts"].get("errors"))
+    ratios = [row for row in data["rows"] if " / " in row["what"]]
+    assert ratios and all(float(row["figure"].split()[0]) > 0 for row in ratios)
+    for row in data["rows"]:
+        assert row["what"] in table
+    assert any("FermiNet" in row["what"] and "walkers per second" in row["what"] for row in data["rows"])
+    assert any(row["section"] == 10 and "walkers per second" in row["what"] for row in data["rows"])
+
+
+def test_gpu_script_solvers_and_kernels_agree_with_the_hand_written_ones(gpu_smoke):
+    rows = gpu_smoke[1]["rows"]
+    solvers = {row["what"].split(": ")[1] for row in rows if row["section"] == 9 and "max rel diff" in row["what"]}
+    assert solvers == {"dense", "minsr", "spring", "cg"}
+    for row in rows:
+        if "max rel diff" in row["what"]:
+            assert float(row["what"].split("max rel diff ")[1].split(";")[0].rstrip(")")) < 1e-5, row["what"]
+
+
+def test_gpu_script_skips_rows_past_its_budget(tmp_path):
+    stdout, data = _run("gpu.py", "--smoke", "--only", "solvers", "--budget", "0.001", tmp_path=tmp_path)
+    assert data["rows"] and all(row["figure"].startswith("skipped") for row in data["rows"])
+    assert stdout.count("| # | measurement | figure | goal | met |") == 1

@@ -100,25 +100,6 @@ def test_a_step_communicates_only_reduced_statistics(helium):
     assert sum(sizes) <= 16, reduced  # scalars, 2-vectors and the 2x2 SR matrix; never 301 walkers
 
 
-def test_blocking_error_accounts_for_autocorrelation(helium):
-    # AR(1) series with correlation 0.9: the true standard error of the mean is
-    # sqrt((1 + rho) / (1 - rho)) ~ 4.4 times the naive one.
-    rng = np.random.default_rng(0)
-    rho, n = 0.9, 1 << 14
-    x = np.empty(n)
-    x[0] = rng.normal()
-    noise = rng.normal(size=n) * np.sqrt(1 - rho**2)
-    for i in range(1, n):
-        x[i] = rho * x[i - 1] + noise[i]
-    mean, err = helium.blocking(x)
-    naive = x.std(ddof=1) / np.sqrt(n)
-    true = naive * np.sqrt((1 + rho) / (1 - rho))
-    assert mean == pytest.approx(x.mean())
-    assert 0.75 * true < err < 1.5 * true
-    _, err_independent = helium.blocking(rng.normal(size=n))
-    assert err_independent == pytest.approx(1 / np.sqrt(n), rel=0.3)
-
-
 def test_example_doctests(helium):
     result = doctest.testmod(helium, verbose=False)
     assert result.attempted > 0 and result.failed == 0

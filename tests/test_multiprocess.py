@@ -89,15 +89,19 @@ class Run:
     def wait(self) -> tuple[int, str]:
         self._thread.join(WAIT_S)
         if self._thread.is_alive():
-            self.proc.kill()
-            self._thread.join(10)
+            self.stop()
             pytest.fail(f"{' '.join(self.command)} did not finish within {WAIT_S} s:\n{self.output}")
         return self.proc.returncode, self.output
 
     def stop(self) -> None:
+        """End the command: SIGTERM first, so that a launcher stops its processes, then SIGKILL."""
         if self.proc.poll() is None:
-            self.proc.kill()
-        self._thread.join(10)
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self._thread.join(30)
 
 
 @pytest.fixture(scope="module")
@@ -332,6 +336,15 @@ def test_a_crashing_process_ends_the_run_promptly(runs):
     assert runs["crash"].ended - crashed_at < 30, output
 
 
+def test_a_failing_process_runs_the_exit_handlers_registered_before_initialize(runs):
+    """The failing process skips only JAX's shutdown barrier: the program's own exit handlers run, its own
+    ``sys.exit`` is the one called, and what initialize wrapped is put back by the time they run."""
+    code, output = runs["crash"].wait()
+    assert code == 3, output
+    assert "[1] user sys.exit(3)" in output
+    assert "[1] exit handler registered before initialize ran; sys.exit restored: True" in output
+
+
 def _launch_quietly(
     command: list[str], processes: int, timeout: float | None = None, grace: float = 0.5
 ) -> tuple[int, str, str]:
@@ -358,10 +371,31 @@ def _groups(output: str) -> list[int]:
     return [int(line.split()[2]) for line in output.splitlines() if line.split()[1:2] == ["group"]]
 
 
-def _group_gone(pgid: int) -> bool:
-    """No live (non-zombie) process is left in group ``pgid`` (zombies wait for init to reap them)."""
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
+def _kill_groups(pgids: list[int]) -> None:
+    """SIGKILL what is left of these process groups (cleanup after a test, whatever happened)."""
+    for pgid in pgids:
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (each launched process leads its own group)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(stat.parent.name))
+        except (OSError, IndexError, ValueError):
+            continue
+    return found
+
+
+def _group_gone(pgid: int, wait: float = 10) -> bool:
+    """No live (non-zombie) process is left in group ``pgid`` within ``wait`` seconds (zombies wait for init)."""
+    deadline = time.monotonic() + wait
+    while True:
         try:
             os.killpg(pgid, 0)
         except ProcessLookupError:
@@ -376,8 +410,9 @@ def _group_gone(pgid: int) -> bool:
                 members.append(stat.parent.name)
         if not members:
             return True
+        if time.monotonic() >= deadline:
+            return False
         time.sleep(0.05)
-    return False
 
 
 def test_launcher_exit_code_and_prefixes_without_jax():
@@ -402,44 +437,161 @@ def test_an_interrupted_launcher_leaves_no_process_behind(sig, when):
     grace, fail = ("0.5", []) if when == "running" else ("120", ["fail"])
     command = [sys.executable, "-m", "shardvmc.launch", "-n", "2", "--grace", grace, "--"]
     command += [sys.executable, "-c", STUBBORN, *fail]
-    proc = subprocess.Popen(
-        command, cwd=ROOT, env=_clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
-    try:
-        assert proc.stdout is not None and proc.stderr is not None
-        lines: list[str] = []
-        while len(_groups("".join(lines))) < 2:  # both processes and their children are running
-            line = proc.stdout.readline()
-            assert line, f"the launcher ended early: {proc.wait()}"
-            lines.append(line)
+    with _Started(command) as run:
+        assert run.wait_for(lambda: len(_groups(run.out())) == 2), "the processes did not start"
         if when == "stopping":  # process 1 failed: the launcher is waiting out the grace period
-            assert "process 1 exited with code 5; stopping the others" in proc.stderr.readline()
-        proc.send_signal(sig)
-        out, err = proc.communicate(timeout=30)
+            assert run.wait_for(lambda: "process 1 exited with code 5; stopping the others" in run.err())
+        run.proc.send_signal(sig)
+        assert run.wait_for(lambda: run.proc.poll() is not None, 60), f"no exit within 60 s of {sig.name}"
+        run.close()
+        assert run.proc.returncode == 128 + sig, run.err()
+        assert f"got {sig.name}; stopped every process" in run.err()
+        assert all(_group_gone(pgid) for pgid in _groups(run.out())), run.out()
+
+
+class _Started:
+    """A launcher started in its own session, its output read by threads.
+
+    On leaving (whatever happened: an assertion, a hang) it kills the launcher's session and the
+    process groups it reported, and closes the pipes. ``wait_for`` bounds every wait: generous
+    bounds against hangs, which hold on a loaded machine.
+    """
+
+    def __init__(self, command: list[str]) -> None:
+        self.proc = subprocess.Popen(
+            command,
+            cwd=ROOT,
+            env=_clean_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        self._out: list[str] = []
+        self._err: list[str] = []
+        assert self.proc.stdout is not None and self.proc.stderr is not None
+        self._readers = [
+            threading.Thread(target=self._read, args=(self.proc.stdout, self._out), daemon=True),
+            threading.Thread(target=self._read, args=(self.proc.stderr, self._err), daemon=True),
+        ]
+        for reader in self._readers:
+            reader.start()
+
+    @staticmethod
+    def _read(stream: Any, into: list[str]) -> None:
+        for line in iter(stream.readline, ""):
+            into.append(line)
+
+    def out(self) -> str:
+        return "".join(self._out)
+
+    def err(self) -> str:
+        return "".join(self._err)
+
+    def wait_for(self, condition: Any, timeout: float = WAIT_S) -> bool:
+        deadline = time.monotonic() + timeout
+        while not condition():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
+        return True
+
+    def close(self) -> None:
+        """Kill what is left, reap the launcher, read the last output and close the pipes."""
+        if self.proc.poll() is None:  # its children too, also those that did not report their group yet
+            _kill_groups([self.proc.pid, *_children(self.proc.pid)])
+        _kill_groups([pgid for pgid in _groups(self.out()) if not _group_gone(pgid, wait=0)])
+        self.proc.wait(timeout=30)
+        for reader in self._readers:
+            reader.join(timeout=30)
+        for stream in (self.proc.stdout, self.proc.stderr):
+            if stream is not None:
+                stream.close()
+
+    def __enter__(self) -> _Started:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+class _SignalOnMessage(io.StringIO):
+    """The launcher's stderr, which sends this process SIGINT the moment ``text`` is written.
+
+    The signal then lands right after the launcher's message, before it starts stopping the
+    processes: the window a test that signals on reading the message hits on a loaded machine.
+    """
+
+    def __init__(self, text: str) -> None:
+        super().__init__()
+        self.text = text
+
+    def write(self, s: str) -> int:
+        written = super().write(s)
+        if self.text in s:
+            os.kill(os.getpid(), signal.SIGINT)
+        return written
+
+
+def test_a_signal_right_after_the_failure_message_cuts_the_grace_short(monkeypatch):
+    """``launch.main`` in this process: process 1 fails, and SIGINT arrives as the launcher says so.
+
+    Process 0 ignores SIGTERM and the grace is 120 s: only a signal that is not lost in that window
+    ends the launcher well before the grace runs out, with 130 and no process left.
+    """
+    started: list[subprocess.Popen[bytes]] = []
+
+    class Recorded(subprocess.Popen):  # type: ignore[type-arg]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            started.append(self)
+
+    monkeypatch.setattr(launch.subprocess, "Popen", Recorded)
+    err = _SignalOnMessage("stopping the others")
+    monkeypatch.setattr(sys, "stdout", io.StringIO())
+    monkeypatch.setattr(sys, "stderr", err)
+    began = time.monotonic()
+    try:
+        code = launch.main(["-n", "2", "--grace", "120", "--", sys.executable, "-c", STUBBORN, "fail"])
+        took = time.monotonic() - began
+        assert len(started) == 2
+        assert all(_group_gone(p.pid) for p in started), err.getvalue()
     finally:
-        proc.kill()
-    assert proc.returncode == 128 + sig, err
-    assert f"got {sig.name}; stopped every process" in err
-    assert all(_group_gone(pgid) for pgid in _groups("".join(lines))), lines
+        _kill_groups([p.pid for p in started])
+    assert code == 130, err.getvalue()
+    assert "got SIGINT; stopped every process" in err.getvalue()
+    assert took < 60, err.getvalue()  # the grace is 120 s (a hang guard, not a benchmark)
 
 
 def test_an_uncaught_exception_after_initialize_ends_the_run_promptly():
-    """The failing process skips JAX's shutdown barrier (5 minutes), so the launcher sees it and stops process 0."""
+    """The failing process skips JAX's shutdown barrier (5 minutes), so the launcher sees it and stops process 0.
+
+    The program replaces ``sys.excepthook`` after initialize without calling the one it found (as
+    ``rich.traceback.install()`` does) and registered an exit handler before it: the failure is still
+    seen, and both of them run.
+    """
     script = (
-        "import time\n"
+        "import atexit, sys, time, traceback\n"
+        "atexit.register(lambda: print('user exit handler ran', flush=True))\n"
         "import shardvmc as sv\n"
         "sv.distributed.initialize()\n"
         "import jax\n"
+        "sys.excepthook = lambda *exc: (print('user excepthook:', exc[1]), traceback.print_exception(*exc))\n"
         "if jax.process_index() == 1:\n"
+        "    print(f'failing at {time.time()!r}', flush=True)\n"
         "    raise RuntimeError('process 1 fails')\n"
         "time.sleep(600)\n"
     )
-    started = time.monotonic()
-    code, out, err = _launch_quietly([sys.executable, "-c", script], 2, timeout=WAIT_S)
+    # The timeout bounds startup on a loaded machine and stays well below the barrier's 300 s.
+    code, out, err = _launch_quietly([sys.executable, "-c", script], 2, timeout=120)
+    ended = time.time()
     assert code == 1, out + err
     assert "[1] RuntimeError: process 1 fails" in out
+    assert "[1] user excepthook: process 1 fails" in out
+    assert "[1] user exit handler ran" in out
     assert "process 1 exited with code 1; stopping the others" in err
-    assert time.monotonic() - started < 30, out + err  # a hang guard, not a benchmark
+    failed_at = float(out.split("failing at ")[1].split()[0])
+    assert ended - failed_at < 30, out + err  # from the failure to the end of the run: a hang guard, not a benchmark
 
 
 def test_launcher_timeout():
@@ -496,11 +648,59 @@ def test_initialize_after_devices_were_touched_explains(monkeypatch):
     assert not jax.distributed.is_initialized()
 
 
-@pytest.mark.parametrize(("platforms", "cpu"), [("cpu", True), ("cuda,cpu", False), ("tpu", False)])
-def test_platform_is_decided_without_a_backend(platforms, cpu):
-    before = jax.config.jax_platforms
-    jax.config.update("jax_platforms", platforms)
+@pytest.fixture
+def initialize_without_a_group(monkeypatch):
+    """``sv.distributed.initialize`` in this process, with JAX's own initialize recorded instead of run.
+
+    Yields the calls: ``(kwargs, CPU collectives in place at the call)``. The platform is left unset
+    (no ``JAX_PLATFORMS``), as on a machine where JAX would detect it.
+    """
+    calls: list[tuple[dict[str, Any], Any]] = []
+    for name in (distributed.ENV_COORDINATOR, distributed.ENV_NUM_PROCESSES, distributed.ENV_PROCESS_ID):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.delenv("JAX_PLATFORMS", raising=False)
+    monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: calls.append((kw, _collectives())))
+    monkeypatch.setattr(distributed, "_backends_initialized", lambda: False)  # this process's backend runs
+    monkeypatch.setattr(distributed, "_SETTINGS", None)
+    monkeypatch.setattr(sys, "exit", sys.exit)  # put back whatever initialize may install
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)
+    before = jax.config.jax_platforms, _collectives()
+    jax.config.update("jax_platforms", None)
     try:
-        assert distributed._platform_is_cpu() is cpu
+        yield calls
     finally:
-        jax.config.update("jax_platforms", before)
+        jax.config.update("jax_platforms", before[0])
+        jax.config.update("jax_cpu_collectives_implementation", before[1])
+
+
+def _collectives() -> Any:
+    return jax.config.jax_cpu_collectives_implementation
+
+
+def test_gloo_is_chosen_with_an_accelerator_plugin_installed_and_no_gpu(initialize_without_a_group, monkeypatch):
+    """A CUDA plugin is installed but JAX will run on CPU: the CPU collectives must still be gloo, or every
+    cross-process computation on CPU arrays fails. They serve CPU arrays only, so no platform guess is needed."""
+    import importlib.machinery
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+
+    def with_plugin(name: str, *args: Any) -> Any:
+        return importlib.machinery.ModuleSpec(name, None) if name == "jax_cuda12_plugin" else find_spec(name, *args)
+
+    monkeypatch.setattr(importlib.util, "find_spec", with_plugin)
+    jax.config.update("jax_cpu_collectives_implementation", None)
+    exit_before = sys.exit
+    sv.distributed.initialize("127.0.0.1:1", num_processes=2, process_id=0, fail_fast=False)
+    [(kwargs, collectives)] = initialize_without_a_group
+    assert collectives == "gloo"
+    assert "fail_fast" not in kwargs and kwargs["num_processes"] == 2
+    assert sys.exit is exit_before  # fail_fast=False installs nothing
+
+
+@pytest.mark.parametrize("chosen", ["mpi", "megascale"])
+def test_a_chosen_cpu_collectives_implementation_is_kept(initialize_without_a_group, chosen):
+    jax.config.update("jax_cpu_collectives_implementation", chosen)
+    sv.distributed.initialize("127.0.0.1:1", num_processes=2, process_id=0, fail_fast=False)
+    [(_, collectives)] = initialize_without_a_group
+    assert collectives == chosen

@@ -11,15 +11,22 @@ import shardvmc as sv
 from shardvmc.testing import assert_replicated, assert_walker_sharded
 
 
-def test_assert_walker_sharded(mesh):
+@pytest.mark.parametrize("n_devices", [3, 8])
+def test_assert_walker_sharded(n_devices):
+    mesh = sv.create_mesh(jax.devices()[:n_devices])
     tree = sv.shard_walker({"r": np.zeros((24, 3)), "t": 1.0}, mesh)
     assert_walker_sharded(tree, mesh)
     bad = {"r": tree["r"], "p": sv.replicate(np.zeros((24, 3)), mesh), "q": jnp.zeros((24, 3))}
-    if mesh.devices.size == 1:
-        return  # on one device, replicated and sharded are the same layout
     with pytest.raises(AssertionError) as err:
         assert_walker_sharded(bad, mesh)
     assert "['p']" in str(err.value) and "['r']" not in str(err.value) and "2 leaves" in str(err.value)
+
+
+def test_on_one_device_replicated_and_walker_sharded_are_one_layout():
+    mesh = sv.create_mesh(jax.devices()[:1])
+    assert_walker_sharded({"p": sv.replicate(np.zeros((24, 3)), mesh)}, mesh)
+    with pytest.raises(AssertionError, match=r"\['p'\]"):  # but not on another mesh
+        assert_walker_sharded({"p": sv.replicate(np.zeros((24, 3)), mesh)}, sv.create_mesh(jax.devices()[:2]))
 
 
 def test_assert_replicated():
@@ -51,6 +58,24 @@ def test_set_cpu_devices_keeps_an_existing_count_and_adds_the_scheduler_flag(mon
         "--xla_force_host_platform_device_count=3",
         CPU_SCHEDULER_FLAG,
     ]
+
+
+def test_set_cpu_devices_keeps_openblas_to_one_thread_per_fake_device(monkeypatch):
+    from jax._src import xla_bridge
+
+    from shardvmc.testing import set_cpu_devices
+
+    monkeypatch.setattr(xla_bridge, "backends_are_initialized", lambda: False)
+    monkeypatch.delenv("OPENBLAS_NUM_THREADS", raising=False)
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
+    set_cpu_devices(8)  # the existing count, one device, wins: OpenBLAS keeps its threads
+    assert "OPENBLAS_NUM_THREADS" not in os.environ
+    monkeypatch.setenv("XLA_FLAGS", "")
+    set_cpu_devices(8)
+    assert os.environ["OPENBLAS_NUM_THREADS"] == "1"
+    monkeypatch.setenv("OPENBLAS_NUM_THREADS", "4")  # the user's choice wins
+    set_cpu_devices(8)
+    assert os.environ["OPENBLAS_NUM_THREADS"] == "4"
 
 
 def test_set_cpu_devices_refuses_a_started_backend():

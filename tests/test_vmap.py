@@ -1,5 +1,8 @@
 """The functional kernels (shard_vmap & co): per-walker results stay sharded and equal jax.vmap."""
 
+import functools
+from typing import NamedTuple
+
 import folx
 import jax
 import jax.numpy as jnp
@@ -124,3 +127,100 @@ def test_functional_kernels_nest_inside_decorated_bodies():
 
     r = positions(16)
     np.testing.assert_allclose(total(PARAMS, r), PARAMS["alpha"] * jnp.mean(jnp.sum(r**2, axis=(1, 2))), rtol=1e-6)
+
+
+# ----------------------------------------------------------------------------- jax.vmap-style pytree axes
+
+
+class FermiNetData(NamedTuple):
+    """FermiNet's batch (``ferminet/networks.py``): per-walker positions and spins, per-run atoms and charges."""
+
+    positions: jax.Array
+    spins: jax.Array
+    atoms: jax.Array
+    charges: jax.Array
+
+
+def _ferminet_data(n):
+    rng = np.random.default_rng(0)
+    return FermiNetData(
+        positions=jnp.asarray(rng.normal(size=(n, 6)), jnp.float32),
+        spins=jnp.asarray(np.tile([1.0, -1.0], (n, 1)), jnp.float32),
+        atoms=jnp.asarray([[0.0, 0.0, 0.3], [0.0, 0.0, -0.3]], jnp.float32),
+        charges=jnp.asarray([1.0, 1.0], jnp.float32),
+    )
+
+
+def ferminet_energy(params, data):
+    """A FermiNet-style per-walker function of (params, FermiNetData): atoms and charges are per run."""
+    r = data.positions.reshape(2, 3)
+    r_ae = jnp.linalg.norm(r[:, None] - data.atoms[None], axis=-1)
+    return log_psi(params, r) * jnp.sum(data.spins) - jnp.sum(data.charges / r_ae)
+
+
+SPLIT = (None, FermiNetData(positions=0, spins=0, atoms=None, charges=None))
+
+
+@pytest.mark.parametrize("n", [24, 10])
+def test_pytree_in_axes_match_jax_vmap(mesh, n):
+    data = _ferminet_data(n)
+    ref = jax.vmap(ferminet_energy, in_axes=SPLIT)(PARAMS, data)
+    out = sv.shard_vmap(ferminet_energy, mesh, in_axes=SPLIT)(PARAMS, data)
+    np.testing.assert_allclose(out, ref, rtol=1e-6)
+    if n % mesh.devices.size == 0:
+        assert out.sharding.spec == P("walkers")
+    # FermiNet's all-per-walker pytree entry, with atoms and charges given per walker
+    stacked = data._replace(
+        atoms=jnp.broadcast_to(data.atoms, (n, 2, 3)), charges=jnp.broadcast_to(data.charges, (n, 2))
+    )
+    every = (None, FermiNetData(positions=0, spins=0, atoms=0, charges=0))
+    np.testing.assert_allclose(sv.shard_vmap(ferminet_energy, mesh, in_axes=every)(PARAMS, stacked), ref, rtol=1e-6)
+
+
+def test_pytree_axes_in_every_vmap_and_inside_kernels():
+    mesh = sv.create_mesh(jax.devices()[:3])
+    data = _ferminet_data(9)
+    ref = jax.vmap(ferminet_energy, in_axes=SPLIT)(PARAMS, data)
+    for vmap in (sv.get_vmap_fn(mesh=mesh), sv.get_vmap_fn(2, mesh), functools.partial(sv.sharded_batched_vmap,
+                 max_batch_size=2, mesh=mesh)):  # fmt: skip
+        np.testing.assert_allclose(vmap(ferminet_energy, in_axes=SPLIT)(PARAMS, data), ref, rtol=1e-6)
+    # a dict prefix, as in jax.vmap's documentation
+    f = sv.shard_vmap(lambda d, x: d["a"] * x + d["b"], mesh, in_axes=({"a": None, "b": 0}, None))
+    b = jnp.arange(9.0)
+    np.testing.assert_allclose(f({"a": 2.0, "b": b}, 3.0), 6.0 + b)
+
+    @sv.walker_parallel(mesh=mesh, batched=True)
+    def block_mean(params: sv.Replicated, data: sv.PerWalker) -> sv.PerWalker:
+        # inside a kernel's body the functional vmap is a plain jax.vmap over the block
+        return sv.shard_vmap(ferminet_energy, in_axes=SPLIT)(params, data._replace(atoms=atoms, charges=charges))
+
+    atoms, charges = data.atoms, data.charges
+    walkers = data._replace(atoms=jnp.zeros((9, 1)), charges=jnp.zeros((9, 1)))
+    np.testing.assert_allclose(block_mean(PARAMS, walkers), ref, rtol=1e-6)
+
+
+def test_out_axes_none_returns_the_shared_value_once(mesh):
+    def f(params, r):
+        return log_psi(params, r), params["alpha"] * 2.0
+
+    r = positions(10)
+    walkers = sv.WalkerSet(r, 10)
+    energy, shared = sv.shard_vmap(f, mesh, in_axes=(None, 0), out_axes=(0, None))(PARAMS, walkers)
+    ref_energy, ref_shared = jax.vmap(f, in_axes=(None, 0), out_axes=(0, None))(PARAMS, r)
+    assert isinstance(energy, sv.WalkerSet) and energy.n_valid == 10  # the mapped element stays a walker set
+    np.testing.assert_allclose(energy.data, ref_energy, rtol=1e-6)
+    assert np.shape(shared) == () and float(shared) == float(ref_shared)
+    with pytest.raises(ValueError, match="out_axes"):  # like jax.vmap: a per-walker output cannot be None
+        sv.shard_vmap(f, mesh, in_axes=(None, 0), out_axes=(None, None))(PARAMS, r)
+
+
+def test_pytree_axes_errors():
+    data = _ferminet_data(8)
+    with pytest.raises(ValueError, match="a leaf of in_axes"):
+        sv.shard_vmap(ferminet_energy, in_axes=(None, FermiNetData(0, 0, 1, None)))(PARAMS, data)
+    with pytest.raises(ValueError, match="not a prefix"):
+        sv.shard_vmap(ferminet_energy, in_axes=(None, {"positions": 0}))(PARAMS, data)
+    with pytest.raises(sv.CallError, match="WalkerSet"):
+        sv.shard_vmap(ferminet_energy, in_axes=SPLIT)(PARAMS, sv.WalkerSet(data.positions))
+    with pytest.raises(ValueError, match="out_axes leaves"):
+        sv.shard_vmap(ferminet_energy, out_axes=(0, 1))

@@ -1,0 +1,529 @@
+"""KFAC from kfac-jax on walker-sharded batches: FermiNet's optimiser, without ``pmap``.
+
+``shardvmc.kfac.Optimizer`` is ``kfac_jax.Optimizer`` whose ``init`` and ``step`` take
+a walker-sharded batch (a ``sv.WalkerSet`` or a pytree with the walker axis first,
+placed or not) and return kfac-jax's results replicated. The loss is written as for
+FermiNet's ``pmap``: it sees one device's block of walkers and reduces with its own
+collectives over ``pmap_axis_name`` (FermiNet: ``jax.lax.pmean(x, "qmc_pmap_axis")``
+through ``kfac_jax.utils.pmean_if_pmap``).
+
+How it runs (the choice, and why): the whole kfac-jax step runs inside one
+``batched=True`` walker-parallel kernel whose mesh axis is named ``pmap_axis_name``,
+with kfac-jax's staging switched off (``staging_context()``) and its step number given
+(``global_step_int``, kfac-jax issue 103). Each device runs exactly what FermiNet's
+``pmap`` runs on it, with the same collectives over the same axis, so with FermiNet's
+settings the step is FermiNet's to round-off on any device count (tested on 1, 3 and
+8). The other route
+that matches, ``kfac_jax.Optimizer(multi_device=False)`` under ``jit`` with GSPMD
+placing the walkers, needs a loss without collectives (FermiNet's ``pmean`` must go)
+and leaves the communication to XLA's partitioner; this one keeps the user's loss as
+FermiNet writes it, its collectives where kfac-jax puts them, and inside the kernel
+``sv.shard_vmap``, ``sv.get_vmap_fn`` and other shardvmc kernels called by the loss run
+as plain vmaps on the block, where kfac-jax's graph matcher sees the layers.
+
+Differences from kfac-jax's own ``pmap`` step, each deliberate:
+
+- the curvature estimate is averaged over the devices after every step, so the state
+  is the same on every device and carries over to another device count. kfac-jax
+  averages it only when it inverts: with FermiNet's ``inverse_update_period=1`` that is
+  every step too (the average here then costs nothing), with a longer period kfac-jax's
+  devices precondition with their own estimates in between, and the updates drift
+  apart (shardvmc's state is the mean of kfac-jax's per-device ones: tested);
+- ``data_seen`` and ``stats["batch_size"]`` count the walkers of the mesh (kfac-jax
+  multiplies by ``jax.device_count()``, wrong on a mesh of fewer devices);
+- nothing is donated (kfac-jax's ``pmap`` step donates ``params`` and ``state``);
+- the loss's ``rng`` on device ``i`` is ``jax.random.fold_in(rng, i)``: one key per
+  device, as FermiNet's ``make_different_rng_key_on_all_devices`` gives (a loss that
+  splits its key by its block size draws streams that depend on the device count).
+
+kfac-jax's burn-in (``num_burnin_steps > 0``, its default 10) calls
+``jax.device_put_replicated``, which JAX 0.10 removed, and is refused: pass
+``num_burnin_steps=0``, FermiNet's setting. See ``docs/optimisers.md``.
+
+Padding walkers cannot be masked out of a loss shardvmc does not write (its means, its
+gradient and kfac's curvature all average the block), so a batch whose walkers do not
+split evenly over the mesh is refused (``CallError``), and a ``WalkerSet`` with padding
+is passed without it when its valid walkers split evenly.
+
+Importing this module applies, when the installed kfac-jax needs it, the fix of kfac-jax
+0.0.8 for JAX >= 0.9.2 (:data:`KFAC_JAX_PATCHED`; see ``shardvmc/_kfac_compat.py``).
+
+Example:
+    >>> import jax, jax.numpy as jnp, kfac_jax, shardvmc as sv, shardvmc.kfac
+    >>> def loss(params, batch):  # FermiNet's pattern: one device's block, its own pmean
+    ...     y = jnp.tanh(batch @ params["w"])
+    ...     kfac_jax.register_squared_error_loss(y)
+    ...     return kfac_jax.utils.pmean_if_pmap(jnp.mean(y**2), "qmc_pmap_axis")
+    >>> opt = sv.kfac.Optimizer(jax.value_and_grad(loss), l2_reg=0.0, num_burnin_steps=0,
+    ...                         learning_rate_schedule=lambda t: 0.1, pmap_axis_name="qmc_pmap_axis")
+    >>> params = {"w": jnp.ones((3, 2)) / 3}
+    >>> batch = jax.random.normal(jax.random.key(0), (16, 3))
+    >>> state = opt.init(params, jax.random.key(1), batch)
+    >>> params, state, stats = opt.step(params, state, jax.random.key(2), batch=batch, momentum=0.0, damping=1e-3)
+    >>> params["w"].sharding.is_fully_replicated, int(stats["step"])
+    (True, 1)
+"""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+try:
+    import kfac_jax
+except ImportError as err:  # pragma: no cover - exercised in a subprocess by the tests
+    raise ImportError(
+        "shardvmc.kfac needs kfac-jax, which is not installed: pip install shardvmc[kfac] (or pip install kfac-jax)."
+    ) from err
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from . import _kfac_compat
+from ._decorator import WalkerParallel
+from ._errors import CallError, message
+from ._kernel import Options
+from ._markers import Kind, Layout, Param
+from ._mesh import resolve_mesh
+from ._placement import leading_size, pad_n_walkers, replicate, shard_walker, slice_walkers
+from ._walkerset import WalkerSet
+
+__all__ = ["KFAC_JAX_PATCHED", "DiagonalBlockWarning", "Optimizer", "check_curvature_blocks"]
+
+KFAC_JAX_PATCHED: bool = _kfac_compat.PATCHED
+"""Whether importing ``shardvmc.kfac`` fixed kfac-jax's ``eval_jaxpr_eqn`` (kfac-jax 0.0.8 on JAX >= 0.9.2)."""
+
+_WHERE = "shardvmc.kfac.Optimizer"
+
+
+class DiagonalBlockWarning(UserWarning):
+    """kfac-jax could not see the network's layers and gave their parameters diagonal curvature blocks.
+
+    Warned by :meth:`Optimizer.init` and :func:`check_curvature_blocks` when the loss
+    runs part of its computation inside ``shard_map`` (a shardvmc kernel called outside
+    this optimiser, or ``jax.shard_map``), whose inside kfac-jax's graph matcher does
+    not read, or when it found no dense or convolution layer at all. The step then
+    preconditions those parameters with a diagonal estimate from each device's batch
+    gradient, far from the Kronecker-factored one.
+    """
+
+
+def _signature(names: tuple[str, ...]) -> inspect.Signature:
+    return inspect.Signature([inspect.Parameter(n, inspect.Parameter.POSITIONAL_ONLY) for n in names])
+
+
+def _kernel(
+    body: Callable[..., Any],
+    kinds: tuple[tuple[str, Kind], ...],
+    output: Kind | tuple[Kind, ...],
+    mesh: Mesh,
+    axis: str,
+) -> WalkerParallel:
+    names = tuple(name for name, _ in kinds)
+    layout = Layout(tuple(Param(n, k) for n, k in kinds), output, _signature(names))
+    return WalkerParallel(
+        body, layout, mesh=mesh, options=Options(axis_name=axis, batched=True), qualname=f"{_WHERE}.{body.__name__}"
+    )
+
+
+def _walker_mesh(mesh: Mesh, axis: str) -> Mesh:
+    """The devices of ``mesh`` in walker order, on one axis named ``axis`` (the loss's collective axis).
+
+    Walkers are split over every axis of ``mesh`` (in order, as ``P(mesh.axis_names)``
+    splits them), so the flat device list is the walker order, and arrays placed on
+    ``mesh`` need no data movement to run here.
+    """
+    if mesh.axis_names == (axis,):
+        return mesh
+    return Mesh(np.asarray(mesh.devices).reshape(-1), (axis,), axis_types=(jax.sharding.AxisType.Auto,))
+
+
+class Optimizer:
+    """``kfac_jax.Optimizer`` on walker-sharded batches: FermiNet's KFAC step on any mesh, without ``pmap``.
+
+    Takes every argument of ``kfac_jax.Optimizer`` except ``multi_device`` (and
+    ``debug``, which turns its collectives off). ``value_and_grad_func`` is written as
+    for FermiNet's ``pmap``: it sees one device's block of walkers and reduces with its
+    own collectives over ``pmap_axis_name``.
+
+    Args:
+        value_and_grad_func: as for ``kfac_jax.Optimizer``, e.g.
+            ``jax.value_and_grad(loss, has_aux=True)`` of FermiNet's ``make_loss``.
+        l2_reg: as for ``kfac_jax.Optimizer``.
+        mesh: the devices; the walkers are split over all its axes. Default: resolved at
+            the first ``init`` (``sv.use_mesh``, JAX's current mesh, else all devices)
+            and kept: kfac-jax reads the network's layers from one block shape.
+        pmap_axis_name: the axis name the loss's collectives use (FermiNet:
+            ``"qmc_pmap_axis"``); the kernels run on a mesh axis of this name.
+        **kwargs: the other arguments of ``kfac_jax.Optimizer``.
+
+    Raises:
+        CallError: for ``multi_device=``, ``debug=True``, or
+            ``use_initial_damping_calibration=True`` (which reads values on the host in
+            the middle of the step).
+    """
+
+    def __init__(
+        self,
+        value_and_grad_func: Callable[..., Any],
+        l2_reg: Any,
+        *,
+        mesh: Mesh | None = None,
+        pmap_axis_name: str = "kfac_axis",
+        **kwargs: Any,
+    ) -> None:
+        for name, bad, why in (
+            ("multi_device", None, "shardvmc places the walkers itself (one kernel over the mesh)"),
+            ("debug", True, "kfac-jax's debug mode drops the collectives over pmap_axis_name"),
+            ("use_initial_damping_calibration", True, "the calibration reads the damping on the host mid-step"),
+        ):
+            if name in kwargs and (bad is None or kwargs[name] == bad):
+                raise CallError(
+                    message(
+                        _WHERE,
+                        f"{name}={kwargs[name]!r} is not supported: {why}.",
+                        fix=f"drop {name}=.",
+                    )
+                )
+        burnin = kwargs.get("num_burnin_steps", 10)  # kfac-jax's default
+        if burnin:
+            raise CallError(
+                message(
+                    _WHERE,
+                    f"num_burnin_steps={burnin} (kfac-jax's default is 10) is not supported: kfac-jax's burn-in "
+                    "makes its accumulator with jax.device_put_replicated, which JAX 0.10 removed (it fails under "
+                    "kfac-jax's own pmap too, in 0.0.8 and at its source head).",
+                    fix="pass num_burnin_steps=0, FermiNet's setting (the curvature estimate then starts from the "
+                    "first step's statistics).",
+                )
+            )
+        if not isinstance(pmap_axis_name, str):
+            raise CallError(
+                message(
+                    _WHERE,
+                    "pmap_axis_name must be the axis name (a str) that the loss's collectives use.",
+                    got=repr(pmap_axis_name),
+                    fix='pass e.g. pmap_axis_name="qmc_pmap_axis" (FermiNet).',
+                )
+            )
+        # multi_device=True keeps pmap_axis_name for kfac-jax's collectives; staging_context() (entered in the
+        # kernels) stops it from wrapping its methods in its own pmap.
+        self._kfac = kfac_jax.Optimizer(
+            value_and_grad_func, l2_reg, multi_device=True, pmap_axis_name=pmap_axis_name, **kwargs
+        )
+        self._axis = pmap_axis_name
+        self._mesh = mesh
+        self._has_state = bool(kwargs.get("value_func_has_state", False))
+        self._warn = bool(kwargs.get("use_automatic_registration", True)) and not kwargs.get(
+            "register_only_generic", False
+        )
+        self._block_size = 0  # walkers per device, set by init (kfac-jax reads the network from that shape)
+        self._size = 0  # devices of the mesh
+        self._kmesh: Mesh | None = None  # the mesh's devices on one axis named pmap_axis_name
+        self._trace_step = 0  # the step number the step kernel is being traced for (see _step_body)
+        self._init_kernel: WalkerParallel | None = None
+        self._step_kernel: WalkerParallel | None = None
+
+    @property
+    def kfac_optimizer(self) -> kfac_jax.Optimizer:
+        """The underlying ``kfac_jax.Optimizer`` (``multi_device=True``; run only through this object)."""
+        return self._kfac
+
+    @property
+    def mesh(self) -> Mesh | None:
+        """The mesh the walkers are split over (``None`` until the first ``init`` when not given)."""
+        return self._mesh
+
+    # ------------------------------------------------------------------ the kernels
+
+    def _kernels(self) -> tuple[WalkerParallel, WalkerParallel]:
+        if self._init_kernel is None or self._step_kernel is None:
+            self._mesh = resolve_mesh(self._mesh, "walkers", where=_WHERE) if self._mesh is None else self._mesh
+            mesh = self._kmesh = _walker_mesh(self._mesh, self._axis)
+            self._size = int(mesh.devices.size)
+            r, w, s = Kind.REPLICATED, Kind.PER_WALKER, Kind.STATIC
+            self._init_kernel = _kernel(
+                self._init_body, (("params", r), ("rng", r), ("batch", w), ("func_state", r)), r, mesh, self._axis
+            )
+            n_out = 4 if self._has_state else 3
+            self._step_kernel = _kernel(
+                self._step_body,
+                (("params", r), ("state", r), ("rng", r), ("batch", w), ("func_state", r), ("learning_rate", r))
+                + (("momentum", r), ("damping", r), ("plan", s)),
+                (r,) * n_out,
+                mesh,
+                self._axis,
+            )
+        return self._init_kernel, self._step_kernel
+
+    def _init_body(self, params: Any, rng: Any, batch: Any, func_state: Any) -> Any:
+        with self._kfac.staging_context():
+            return self._kfac.init(params, rng, batch, func_state)
+
+    def _step_body(
+        self,
+        params: Any,
+        state: Any,
+        rng: Any,
+        batch: Any,
+        func_state: Any,
+        learning_rate: Any,
+        momentum: Any,
+        damping: Any,
+        plan: tuple[Any, ...],
+    ) -> Any:
+        data_seen = state.data_seen
+        rng = jax.random.fold_in(rng, jax.lax.axis_index(self._axis))
+        with self._kfac.staging_context():
+            # The program depends on the step number only through `plan` (the compilation key; burn-in at step 0
+            # is refused in __init__); the number itself is the one being traced for, so kfac-jax takes the same
+            # branches.
+            out = self._kfac.step(
+                params,
+                state,
+                rng,
+                batch=batch,
+                func_state=func_state,
+                learning_rate=learning_rate,
+                momentum=momentum,
+                damping=damping,
+                global_step_int=self._trace_step,
+            )
+        new_state, stats = out[1], out[-1]
+        new_state.estimator_state = _kfac_compat.sync_estimator(self._kfac, new_state.estimator_state, self._axis)
+        n_walkers = self._block_size * self._size
+        new_state.data_seen = data_seen + n_walkers
+        stats["data_seen"] = new_state.data_seen
+        stats["batch_size"] = jnp.asarray(n_walkers, jnp.int32)
+        return out
+
+    # ------------------------------------------------------------------ the public steps
+
+    def _batch(self, batch: Any, what: str) -> Any:
+        """The walker data of ``batch`` on the mesh, its padding dropped; ``CallError`` when it cannot split evenly."""
+        assert self._mesh is not None and self._kmesh is not None
+        size = self._size
+        data, n_valid = (batch.data, batch.n_valid) if isinstance(batch, WalkerSet) else (batch, None)
+        n = leading_size(data, _WHERE, what)
+        if n_valid is not None and n_valid < n:
+            if n_valid % size == 0:  # drop the padding: the valid walkers still split evenly
+                data, n = slice_walkers(data, 0, n_valid), n_valid
+            else:
+                raise CallError(
+                    message(
+                        _WHERE,
+                        f"{what} is a WalkerSet of {n_valid} valid walkers padded to {n}; its {n_valid} walkers do not "
+                        f"split evenly over the {size} devices, and padding cannot be masked out of the loss, its "
+                        "gradient and kfac's curvature (they average each device's block).",
+                        got=f"n_valid={n_valid}, {n} walkers, mesh {dict(self._mesh.shape)}",
+                        expected=f"a walker count that is a multiple of {size}",
+                        fix=f"use {n_valid - n_valid % size or size} or {pad_n_walkers(n_valid, size)} walkers "
+                        f"(e.g. sv.initialize_walkers_sharded(init, {pad_n_walkers(n_valid, size)}, mesh)).",
+                    )
+                )
+        if n % size:
+            raise CallError(
+                message(
+                    _WHERE,
+                    f"{what} holds {n} walkers, which do not split evenly over the {size} devices of the mesh "
+                    "(padding cannot be masked out of the loss, its gradient and kfac's curvature).",
+                    got=f"{n} walkers, mesh {dict(self._mesh.shape)}",
+                    expected=f"a multiple of {size}",
+                    fix=f"use {n - n % size or size} or {pad_n_walkers(n, size)} walkers.",
+                )
+            )
+        if self._block_size and n // size != self._block_size:
+            raise CallError(
+                message(
+                    _WHERE,
+                    f"{what} holds {n} walkers, another number than the batch init() was given.",
+                    got=f"{n // size} walkers per device",
+                    expected=f"{self._block_size} per device (kfac-jax reads the network from init's batch shape)",
+                    fix="pass batches of init's size, or build a new Optimizer (the state carries over).",
+                )
+            )
+        # Host data is sliced per device (each process sends only its own walkers); jax.Arrays are moved (or,
+        # already split this way, relabelled).
+        mesh, sharding = self._kmesh, NamedSharding(self._kmesh, PartitionSpec(self._axis))
+        return jax.tree_util.tree_map(lambda x: _on(x, sharding, lambda y: shard_walker(y, mesh, self._axis)), data)
+
+    def _replicated(self, tree: Any) -> Any:
+        """``tree`` replicated on the mesh: host data is copied there; arrays already there are relabelled.
+
+        ``jax.device_put`` onto an equivalent sharding aliases the buffers (no copy); it
+        gives every step's inputs the same sharding, hence one compilation for all steps.
+        """
+        assert self._kmesh is not None
+        mesh, sharding = self._kmesh, NamedSharding(self._kmesh, PartitionSpec())
+        return jax.tree_util.tree_map(lambda x: _on(x, sharding, lambda y: replicate(y, mesh)), tree)
+
+    def init(self, params: Any, rng: jax.Array, batch: Any, func_state: Any = None) -> Any:
+        """kfac-jax's ``init`` on a walker-sharded ``batch``; returns its state, replicated.
+
+        ``rng`` is one key (the same on every device, as kfac-jax asks for ``init``).
+        Warns :class:`DiagonalBlockWarning` when kfac-jax could not see the network's
+        layers.
+
+        Args:
+            params: the parameters (replicated, or host arrays).
+            rng: a PRNG key.
+            batch: a ``sv.WalkerSet`` or a pytree with the walker axis first (any
+                walker count the mesh divides, the same as every later ``step``).
+            func_state: the loss's state, when ``value_func_has_state=True``.
+        """
+        init_kernel, _ = self._kernels()
+        data = self._batch(batch, "batch")
+        self._block_size = leading_size(data, _WHERE, "batch") // self._size
+        state = init_kernel(self._replicated(params), _key(rng), data, self._replicated(func_state))
+        if self._warn:
+            check_curvature_blocks(self._kfac, params, stacklevel=3)
+        return state
+
+    def step(
+        self,
+        params: Any,
+        state: Any,
+        rng: jax.Array,
+        data_iterator: Iterator[Any] | None = None,
+        batch: Any = None,
+        func_state: Any = None,
+        learning_rate: Any = None,
+        momentum: Any = None,
+        damping: Any = None,
+        global_step_int: int | None = None,
+    ) -> Any:
+        """kfac-jax's ``step`` on a walker-sharded batch; returns kfac-jax's tuple, replicated.
+
+        The arguments are kfac-jax's (``batch`` or ``data_iterator``, one of them);
+        ``rng`` is one key, and device ``i``'s loss sees ``fold_in(rng, i)``.
+
+        Args:
+            params: the parameters, replicated.
+            state: the optimiser state (from :meth:`init` or the previous step).
+            rng: a PRNG key, a new one every step.
+            data_iterator: yields batches; one is drawn per step.
+            batch: a ``sv.WalkerSet`` or a pytree with the walker axis first.
+            func_state: the loss's state, when ``value_func_has_state=True``.
+            learning_rate: as for kfac-jax (when there is no schedule).
+            momentum: as for kfac-jax.
+            damping: as for kfac-jax.
+            global_step_int: the step number as a Python int; default read from
+                ``state`` (one transfer to the host), required when ``state`` is traced.
+
+        Returns:
+            ``(params, state, stats)``, or ``(params, state, func_state, stats)`` with
+            ``value_func_has_state=True``: kfac-jax's results, replicated.
+        """
+        if (data_iterator is None) == (batch is None):
+            raise CallError(
+                message(f"{_WHERE}.step", "pass exactly one of batch= and data_iterator= (as kfac-jax asks).")
+            )
+        if self._block_size is None:
+            raise CallError(
+                message(f"{_WHERE}.step", "called before init().", fix="call opt.init(params, rng, batch).")
+            )
+        if global_step_int is None:
+            counter = state.step_counter
+            if isinstance(counter, jax.core.Tracer):
+                raise CallError(
+                    message(
+                        f"{_WHERE}.step",
+                        "state is traced (step called inside jax.jit), so its step counter cannot be read.",
+                        fix="pass global_step_int= (the step number as a Python int), as kfac-jax asks when nested.",
+                    )
+                )
+            global_step_int = int(np.asarray(jax.device_get(counter)))
+        step = int(global_step_int)
+        data = self._batch(next(data_iterator) if data_iterator is not None else batch, "batch")
+        _, step_kernel = self._kernels()
+        plan = _kfac_compat.curvature_flags(self._kfac, step)
+        scalars = self._replicated([None if x is None else jnp.asarray(x) for x in (learning_rate, momentum, damping)])
+        params, state, func_state = self._replicated((params, state, func_state))
+        self._trace_step = step
+        return step_kernel(params, state, _key(rng), data, func_state, *scalars, plan)
+
+
+_DIAGONAL = frozenset({"generic", "scale_and_shift"})  # kfac-jax's layer tags whose blocks are diagonal
+
+
+def check_curvature_blocks(optimizer: Any, params: Any, *, stacklevel: int = 2) -> list[str]:
+    """The parameters kfac-jax gave generic (diagonal) curvature blocks; warns when layers look hidden.
+
+    Call it after ``init`` on a ``kfac_jax.Optimizer`` you run yourself
+    (:meth:`Optimizer.init` calls it for you). It warns :class:`DiagonalBlockWarning`,
+    naming the parameters, when the loss kfac-jax traced runs a ``shard_map`` and some
+    parameters fell back to generic blocks (e.g. a network run through
+    ``sv.shard_vmap`` outside a kernel: kfac-jax's graph matcher does not read inside
+    it), or when kfac-jax found no dense or convolution layer although the parameters
+    hold matrices. A few generic blocks in a network whose layers were found
+    (determinant weights, envelope exponents) are normal and pass silently.
+
+    Args:
+        optimizer: a ``shardvmc.kfac.Optimizer`` or an initialised ``kfac_jax.Optimizer``.
+        params: the parameters (for their paths and shapes).
+        stacklevel: as for ``warnings.warn``.
+
+    Returns:
+        The pytree paths of the parameters in generic blocks (empty when kfac-jax's
+        internals are not where this version expects them).
+    """
+    kfac_opt = optimizer.kfac_optimizer if isinstance(optimizer, Optimizer) else optimizer
+    blocks = _kfac_compat.parameter_blocks(kfac_opt, params)
+    generic = [(path, shape) for path, shape, variant in blocks if variant == "generic"]
+    if generic and _kfac_compat.runs_shard_map(kfac_opt):
+        named, cause = (
+            generic,
+            (
+                "The loss runs part of its computation inside shard_map (e.g. sv.shard_vmap or sv.get_vmap_fn called "
+                "outside a kernel, or jax.shard_map), whose inside kfac-jax's graph matcher does not read."
+            ),
+        )
+    elif blocks and all(variant in _DIAGONAL for *_, variant in blocks) and any(len(s) >= 2 for _, s, _ in blocks):
+        named = [(path, shape) for path, shape, _ in blocks if len(shape) >= 2]
+        cause = (
+            "kfac-jax's graph matcher found no dense or convolution layer in the loss (a weight that is masked, "
+            "normalised or otherwise transformed before its matmul is not matched)."
+        )
+    else:
+        return [path for path, _ in generic]
+    names = ", ".join(f"{path} {list(shape)}" for path, shape in named[:12])
+    more = f" and {len(named) - 12} more" if len(named) > 12 else ""
+    warnings.warn(
+        f"kfac-jax gave {len(named)} of {len(blocks)} parameters diagonal curvature blocks instead of "
+        f"Kronecker-factored ones: {names}{more}. {cause} Write the loss with jax.vmap over the network and run it "
+        "through shardvmc.kfac.Optimizer (inside it, sv.shard_vmap and sv.get_vmap_fn run as jax.vmap on each "
+        "device's block), or register the layers with kfac_jax.register_dense; see docs/optimisers.md.",
+        DiagonalBlockWarning,
+        stacklevel=stacklevel + 1,
+    )
+    return [path for path, _ in generic]
+
+
+def _on(x: Any, sharding: NamedSharding, place_host: Callable[[Any], Any]) -> Any:
+    """``x`` with exactly ``sharding``: traced and matching arrays as they are, other arrays moved, host data placed."""
+    if isinstance(x, jax.core.Tracer) or (isinstance(x, jax.Array) and x.sharding == sharding):
+        return x
+    if isinstance(x, jax.Array):
+        return jax.device_put(x, sharding)
+    return place_host(x)
+
+
+def _key(rng: Any) -> jax.Array:
+    """``rng`` as a JAX array (a typed key or a raw ``uint32[2]`` key), checked to be ONE key."""
+    rng = jnp.asarray(rng) if not isinstance(rng, jax.Array) else rng
+    typed = jnp.issubdtype(rng.dtype, jax.dtypes.prng_key)
+    if (typed and rng.ndim == 0) or (not typed and rng.dtype == jnp.uint32 and rng.shape == (2,)):
+        return rng
+    raise CallError(
+        message(
+            _WHERE,
+            "rng must be one PRNG key (shardvmc gives device i the key fold_in(rng, i)).",
+            got=f"{rng.dtype}{list(rng.shape)}",
+            expected="jax.random.key(seed) or jax.random.PRNGKey(seed)",
+            fix="pass one key, not FermiNet's per-device keys (make_different_rng_key_on_all_devices).",
+        )
+    )

@@ -1,0 +1,340 @@
+"""shardvmc.kfac: FermiNet's KFAC step on walker-sharded batches, against FermiNet's own pmap step.
+
+The reference is ``kfac_jax.Optimizer(multi_device=True)`` under its own ``jax.pmap`` on
+the first n devices, built as FermiNet's ``train.py`` builds it, fed FermiNet's way
+(per-device blocks of walkers, replicated parameters, one key per device). The loss is
+FermiNet's ``make_loss`` pattern (``tests/models/kfac_loss.py``): ``custom_jvp``,
+``pmean`` over ``"qmc_pmap_axis"``, clipping, a key split per walker. On 1 and 8 devices
+FermiNet's settings (``inverse_update_period=1``) make kfac-jax average the curvature
+estimate every step, as shardvmc.kfac always does; on 3 devices ``inverse_update_period=2``
+leaves kfac-jax's devices with different estimates after the second step (no inversion),
+and shardvmc's one replicated state must be their average.
+"""
+
+from __future__ import annotations
+
+import functools
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import shardvmc as sv
+
+kfac_jax = pytest.importorskip("kfac_jax")
+from models import kfac_loss, systems  # noqa: E402
+
+import shardvmc.kfac as svk  # noqa: E402
+from shardvmc import _kfac_compat  # noqa: E402
+
+SYSTEM = systems.LI
+N = 24  # walkers: 24, 8 and 3 per device on 1, 3 and 8 devices
+STEPS = 2
+DAMPING = 1e-3
+KFAC = dict(  # FermiNet's train.py and base_config.py settings (norm constraint, fisher_exact, no burn-in)
+    l2_reg=0.0,
+    norm_constraint=1e-3,
+    value_func_has_aux=True,
+    value_func_has_rng=True,
+    learning_rate_schedule=lambda t: 0.05 / (1.0 + t / 100.0),
+    curvature_ema=0.95,
+    inverse_update_period=1,
+    min_damping=1e-4,
+    num_burnin_steps=0,
+    estimation_mode="fisher_exact",
+    pmap_axis_name=kfac_loss.AXIS,
+)
+
+
+@functools.cache
+def _data():
+    """Parameters and walkers (float64), made in one compiled call (eagerly, each small operation compiles)."""
+
+    def make():
+        params = kfac_loss.init(jax.random.key(1), SYSTEM, hidden_one=8, hidden_two=4, layers=1, determinants=1,
+                                dtype=jnp.float64)  # fmt: skip
+        return params, systems.init_walkers(jax.random.key(2), SYSTEM, N, jnp.float64)
+
+    with jax.enable_x64(True):
+        return jax.device_get(jax.jit(make)())
+
+
+def _problem():
+    params, walkers = jax.tree.map(jnp.asarray, _data())
+    loss = jax.value_and_grad(kfac_loss.make_loss(SYSTEM, noise=0.05), argnums=0, has_aux=True)
+    return params, walkers, loss
+
+
+def _keys(t):
+    return jax.random.fold_in(jax.random.key(3), t)
+
+
+def pmap_steps(n, params, walkers, loss, settings=KFAC, steps=STEPS):
+    """FermiNet's own step: kfac-jax's pmap over the first n devices; device i's key is fold_in(key, i)."""
+    opt = kfac_jax.Optimizer(loss, multi_device=True, **settings)
+    rep = lambda x: jnp.broadcast_to(x, (n, *jnp.shape(x)))  # noqa: E731
+    p = jax.tree.map(rep, params)
+    blocks = walkers.reshape(n, N // n, *walkers.shape[1:])
+    state = opt.init(p, jax.vmap(lambda _: _keys(10**6))(jnp.arange(n)), blocks)
+    out = []
+    for t in range(steps):
+        keys = jax.vmap(lambda i, t=t: jax.random.fold_in(_keys(t), i))(jnp.arange(n))
+        p, state, stats = opt.step(p, state, keys, batch=blocks, momentum=rep(0.0), damping=rep(DAMPING))
+        out.append(jax.tree.map(lambda x: np.asarray(x[0]), (p, stats["loss"], stats["aux"]["variance"])))
+    return out, state
+
+
+@pytest.fixture(scope="module", params=(1, 3, 8), ids=lambda n: f"{n}dev")
+def runs(request):
+    """Both trajectories on n devices (one compilation each), and the shardvmc optimiser with its first step."""
+    n = request.param
+    settings = dict(KFAC, inverse_update_period=2) if n == 3 else KFAC
+    with jax.enable_x64(True):
+        params, walkers, loss = _problem()
+        reference, pmap_state = pmap_steps(n, params, walkers, loss, settings)
+        mesh = sv.create_mesh(jax.devices()[:n])
+        opt = svk.Optimizer(loss, mesh=mesh, **settings)
+        state0 = opt.init(params, _keys(10**6), sv.shard_walker(walkers, mesh))
+        p, state, out, first = params, state0, [], None
+        for t in range(STEPS):
+            p, state, stats = opt.step(p, state, _keys(t), batch=walkers, momentum=0.0, damping=DAMPING)
+            first = first or (p, state, stats)
+            out.append(jax.tree.map(np.asarray, (p, stats["loss"], stats["aux"]["variance"])))
+    return {"n": n, "reference": reference, "ours": out, "opt": opt, "params": params, "walkers": walkers,
+            "state0": state0, "first": first, "last": (p, state, stats), "pmap_state": pmap_state}  # fmt: skip
+
+
+def _max_diff(a, b):
+    return max(
+        float(np.max(np.abs(np.asarray(x) - np.asarray(y)))) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))
+    )
+
+
+def test_step_equals_ferminets_pmap_step(runs):
+    params = runs["params"]
+    for t, (ref, ours) in enumerate(zip(runs["reference"], runs["ours"])):
+        update = _max_diff(ref[0], params)
+        assert update > 1e-3, "the step must move the parameters"
+        assert _max_diff(ref[0], ours[0]) <= 1e-9 * update, f"step {t}: parameters"
+        assert abs(ref[1] - ours[1]) <= 1e-10 * abs(ref[1]), f"step {t}: loss"
+        assert abs(ref[2] - ours[2]) <= 1e-9 * abs(ref[2]), f"step {t}: variance"
+
+
+def test_results_are_replicated_on_the_mesh_and_count_its_walkers(runs):
+    params, state, stats = runs["last"]
+    sv.testing.assert_replicated((params, state, stats))
+    assert params["layers"][0]["one"]["w"].sharding.mesh.devices.size == runs["n"]
+    assert int(stats["step"]) == STEPS and int(state.step_counter) == STEPS
+    assert int(stats["batch_size"]) == N and int(state.data_seen) == STEPS * N  # not N * jax.device_count()
+
+
+def test_the_state_is_the_average_of_kfacs_device_estimates(runs):
+    """kfac-jax's pmap keeps one curvature estimate per device; shardvmc's one replicated state is their mean.
+
+    On 3 devices (inverse_update_period=2) the last step did not invert, so kfac-jax's
+    devices disagree; on 1 and 8 (FermiNet's period 1) they were averaged every step.
+    """
+    per_device = jax.tree.leaves(runs["pmap_state"].estimator_state)
+    ours = jax.tree.leaves(runs["last"][1].estimator_state)
+    spread = max(float(np.ptp(np.asarray(x, float), axis=0).max()) for x in per_device)
+    assert (spread > 1.0) == (runs["n"] == 3)
+    for x, y in zip(per_device, ours):
+        x, y = np.asarray(x), np.asarray(y)
+        if x.dtype == bool:
+            assert y  # synced
+        elif np.issubdtype(x.dtype, np.inexact):
+            np.testing.assert_allclose(y, x.mean(axis=0), rtol=1e-10, atol=1e-10)
+
+
+def test_a_walker_set_without_its_padding_takes_the_same_step(runs):
+    n, opt = runs["n"], runs["opt"]
+    with jax.enable_x64(True):
+        walkers = runs["walkers"]
+        padded = sv.WalkerSet(jnp.concatenate([walkers, jnp.full((n, *walkers.shape[1:]), jnp.nan)]), N)
+        p, _, stats = opt.step(runs["params"], runs["state0"], _keys(0), batch=padded, momentum=0.0, damping=DAMPING,
+                               global_step_int=0)  # fmt: skip
+    assert _max_diff(p, runs["first"][0]) == 0.0 and np.isfinite(float(stats["loss"]))
+
+
+def test_padding_that_cannot_be_dropped_is_refused(runs):
+    n, opt = runs["n"], runs["opt"]
+    if n == 1:
+        pytest.skip("one device divides every count")
+    walkers = runs["walkers"]
+    padded = sv.WalkerSet(walkers, N - 1)
+    with pytest.raises(sv.CallError, match=f"do not split evenly over the {n} devices") as err:
+        opt.step(runs["params"], runs["state0"], _keys(0), batch=padded, momentum=0.0, damping=DAMPING)
+    assert "multiple of" in str(err.value) and "fix:" in str(err.value)
+    with pytest.raises(sv.CallError, match="do not split evenly"):
+        opt.step(runs["params"], runs["state0"], _keys(0), batch=walkers[:-1], momentum=0.0, damping=DAMPING)
+
+
+def test_another_batch_size_and_a_traced_state_are_refused(runs):
+    opt, n = runs["opt"], runs["n"]
+    with pytest.raises(sv.CallError, match="another number than the batch init"):
+        opt.step(
+            runs["params"], runs["state0"], _keys(0), batch=runs["walkers"][: N - n], momentum=0.0, damping=DAMPING
+        )
+    with pytest.raises(sv.CallError, match="global_step_int"):
+        jax.jit(lambda s: opt.step(runs["params"], s, _keys(0), batch=runs["walkers"], momentum=0.0, damping=DAMPING))(
+            runs["state0"]
+        )
+    with pytest.raises(sv.CallError, match="one PRNG key"):
+        opt.step(runs["params"], runs["state0"], jax.random.split(_keys(0), 2), batch=runs["walkers"], momentum=0.0,
+                 damping=DAMPING)  # fmt: skip
+
+
+def test_unsupported_kfac_arguments_are_refused():
+    for bad in ({"multi_device": True}, {"debug": True}, {"use_initial_damping_calibration": True},
+                {"num_burnin_steps": 2}):  # fmt: skip
+        with pytest.raises(sv.CallError, match="not supported"):
+            svk.Optimizer(lambda *args: None, **dict(KFAC, **bad))
+
+
+# ----------------------------------------------------------------------------- kfac sees the layers
+
+
+def _blocks(opt):
+    kfac_opt = opt.kfac_optimizer if isinstance(opt, svk.Optimizer) else opt
+    return [type(b).__name__ for b in kfac_opt._estimator.blocks]
+
+
+def test_shardvmc_vmaps_inside_the_loss_keep_the_kronecker_blocks():
+    """Inside the optimiser's kernel, sv.get_vmap_fn / sv.shard_vmap run as jax.vmap: kfac reads the layers."""
+    mesh = sv.create_mesh(jax.devices()[:2])
+    with jax.enable_x64(True):
+        params, walkers, _ = _problem()
+        found = {}
+        for name, vmap in (("jax.vmap", jax.vmap), ("sv.get_vmap_fn", sv.get_vmap_fn(mesh=mesh))):
+            loss = jax.value_and_grad(kfac_loss.make_loss(SYSTEM, vmap=vmap), argnums=0, has_aux=True)
+            opt = svk.Optimizer(loss, mesh=mesh, **KFAC)
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", svk.DiagonalBlockWarning)
+                opt.init(params, _keys(0), walkers)
+            found[name] = _blocks(opt)
+            diagonal = svk.check_curvature_blocks(opt, params)  # the envelope exponents only: no layer hidden
+            assert diagonal and all(path.endswith("['sigma']") for path in diagonal), diagonal
+    assert found["jax.vmap"] == found["sv.get_vmap_fn"]
+    assert "RepeatedDenseKroneckerFactored" in found["jax.vmap"]
+
+
+def test_a_loss_whose_network_runs_in_shard_map_warns_naming_the_parameters():
+    """FermiNet's loss with sv.shard_vmap, run by kfac-jax itself (GSPMD): every parameter falls back, now loudly."""
+    mesh = sv.create_mesh(jax.devices()[:2])
+    with jax.enable_x64(True):
+        params, walkers, _ = _problem()
+        loss = jax.value_and_grad(kfac_loss.make_loss(SYSTEM, vmap=sv.get_vmap_fn(mesh=mesh)), argnums=0, has_aux=True)
+        opt = kfac_jax.Optimizer(loss, **dict(KFAC, pmap_axis_name="unused"))
+        opt.init(sv.replicate(params, mesh), _keys(0), sv.shard_walker(walkers, mesh))
+        with pytest.warns(
+            svk.DiagonalBlockWarning,
+            match=r"gave (\d+) of \1 parameters .*\['layers'\]\[0\]\['one'\]\['w'\] \[20, 8\].*inside shard_map",
+        ):  # noqa: E501
+            diagonal = svk.check_curvature_blocks(opt, params)
+    assert len(diagonal) == len(jax.tree.leaves(params)) and set(_blocks(opt)) == {"NaiveDiagonal"}
+
+
+def test_a_loss_whose_layers_kfac_cannot_match_warns_at_init():
+    """Masked parameters (``x @ (w * mask)``, as autoregressive layers write them) hide every layer."""
+
+    def masked(params, r, system):
+        return kfac_loss.log_psi(jax.tree.map(lambda w: w * jnp.ones_like(w), params), r, system)
+
+    mesh = sv.create_mesh(jax.devices()[:2])
+    with jax.enable_x64(True):
+        params, walkers, _ = _problem()
+        loss = jax.value_and_grad(kfac_loss.make_loss(SYSTEM, network=masked), argnums=0, has_aux=True)
+        opt = svk.Optimizer(loss, mesh=mesh, **KFAC)
+        with pytest.warns(svk.DiagonalBlockWarning, match=r"\['layers'\]\[0\]\['one'\]\['w'\].*found no dense"):
+            opt.init(params, _keys(0), walkers)
+    assert "RepeatedDenseKroneckerFactored" not in _blocks(opt)
+
+
+# ----------------------------------------------------------------------------- kfac-jax 0.0.8 on JAX 0.10
+
+
+def test_the_eval_jaxpr_eqn_fix_is_applied_only_when_needed():
+    from kfac_jax._src import tag_graph_matcher
+
+    assert _kfac_compat._works(_kfac_compat.fixed_eval_jaxpr_eqn)
+    if svk.KFAC_JAX_PATCHED:
+        assert tag_graph_matcher.eval_jaxpr_eqn is _kfac_compat.fixed_eval_jaxpr_eqn
+        assert not _kfac_compat._works(_kfac_compat.ORIGINAL_EVAL_JAXPR_EQN)
+    else:
+        assert tag_graph_matcher.eval_jaxpr_eqn is _kfac_compat.ORIGINAL_EVAL_JAXPR_EQN
+    assert _kfac_compat._apply_fix() == svk.KFAC_JAX_PATCHED  # idempotent
+
+
+def test_importing_without_kfac_jax_says_how_to_install_it():
+    code = textwrap.dedent(
+        """
+        import sys
+        sys.modules["kfac_jax"] = None  # as if not installed
+        try:
+            import shardvmc.kfac
+        except ImportError as err:
+            print(err)
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
+    assert "pip install shardvmc[kfac]" in out.stdout
+
+
+# ----------------------------------------------------------------------------- as a user would call it
+
+
+def _dense_loss(params, batch):
+    """A one-layer loss in FermiNet's calling convention (a block of walkers, its own pmean), cheap to compile."""
+    y = jnp.tanh(batch["r"] @ params["w"] + params["b"]) * batch["weight"][:, None]
+    kfac_jax.register_squared_error_loss(y)
+    return kfac_jax.utils.pmean_if_pmap(jnp.mean(y**2), kfac_loss.AXIS)
+
+
+DENSE = dict(l2_reg=0.0, norm_constraint=1e-3, learning_rate_schedule=lambda t: 0.1, pmap_axis_name=kfac_loss.AXIS)
+
+
+def _dense_problem(n):
+    rng = np.random.default_rng(0)
+    params = {"w": jnp.asarray(rng.normal(size=(3, 4)) / 3), "b": jnp.zeros(4)}
+    batch = {"r": rng.normal(size=(n, 3)), "weight": np.ones(n)}  # host data, a pytree with the walker axis first
+    return params, batch
+
+
+def test_explicit_meshes_pytree_batches_and_steps_inside_jit():
+    mesh = jax.make_mesh((2,), ("walkers",))  # JAX's default: Explicit axes
+    params, batch = _dense_problem(8)
+    opt = svk.Optimizer(jax.value_and_grad(_dense_loss), num_burnin_steps=0, mesh=mesh, **DENSE)
+    state = opt.init(params, _keys(0), batch)
+    p1, s1, stats = opt.step(params, state, _keys(1), batch=batch, momentum=0.0, damping=1e-3)
+    # nested in the caller's jit: kfac-jax needs the step number as a Python int (its issue 103)
+    jitted = jax.jit(lambda p, s, b: opt.step(p, s, _keys(1), batch=b, momentum=0.0, damping=1e-3, global_step_int=0))
+    p2, s2, _ = jitted(params, state, sv.shard_walker(batch, sv.create_mesh(jax.devices()[:2])))
+    assert _max_diff(p1, p2) <= 1e-6 and int(s2.step_counter) == int(s1.step_counter) == 1
+    assert float(stats["loss"]) > 0 and int(stats["batch_size"]) == 8
+
+
+def test_data_iterators_give_one_batch_per_step_and_burn_in_is_refused():
+    params, batch = _dense_problem(8)
+    mesh = sv.create_mesh(jax.devices()[:2])
+    with pytest.raises(sv.CallError, match="num_burnin_steps=10 .*device_put_replicated"):
+        svk.Optimizer(jax.value_and_grad(_dense_loss), mesh=mesh, **DENSE)  # kfac-jax's default burn-in
+    opt = svk.Optimizer(jax.value_and_grad(_dense_loss), num_burnin_steps=0, mesh=mesh, **DENSE)
+    state = opt.init(params, _keys(0), batch)
+    drawn = []
+
+    def batches():
+        while True:
+            drawn.append(len(drawn))
+            yield batch
+
+    it = batches()
+    p, state, _ = opt.step(params, state, _keys(1), data_iterator=it, momentum=0.0, damping=1e-3)
+    p2, _, _ = opt.step(params, opt.init(params, _keys(0), batch), _keys(1), batch=batch, momentum=0.0, damping=1e-3)
+    assert len(drawn) == 1 and _max_diff(p, p2) == 0.0
+    with pytest.raises(sv.CallError, match="exactly one of batch= and data_iterator="):
+        opt.step(p, state, _keys(2), data_iterator=it, batch=batch, momentum=0.0, damping=1e-3)
