@@ -51,6 +51,10 @@ from ._reductions import jtj as jtj
 from ._reductions import jtv as jtv
 from ._reductions import walker_mean as walker_mean
 from ._reductions import walker_sum as walker_sum
+from ._state import Checkpointer as Checkpointer
+from ._state import load_state as load_state
+from ._state import save_state as save_state
+from ._state import wait_for_saves as wait_for_saves
 from ._stats import all_walkers as all_walkers
 from ._vmap import get_vmap_fn as get_vmap_fn
 from ._vmap import initialize_walkers_sharded as initialize_walkers_sharded
@@ -64,6 +68,7 @@ __version__ = "0.2.0"
 __all__ = [
     "CallError",
     "Checkpoint",
+    "Checkpointer",
     "CommunicationWarning",
     "DecorationError",
     "Mean",
@@ -93,6 +98,7 @@ __all__ = [
     "is_multi_gpu",
     "jtj",
     "jtv",
+    "load_state",
     "load_walkers",
     "n_devices",
     "natural_gradient",
@@ -100,6 +106,7 @@ __all__ = [
     "pad_walker",
     "replicate",
     "replicated_args",
+    "save_state",
     "save_walkers",
     "shard_map_wrap",
     "shard_vmap",
@@ -108,6 +115,7 @@ __all__ = [
     "slice_walkers",
     "statistics",
     "use_mesh",
+    "wait_for_saves",
     "walker_mean",
     "walker_parallel",
     "walker_sum",

@@ -27,7 +27,6 @@ import os
 import re
 import secrets
 import shutil
-import zipfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -73,18 +72,114 @@ class Checkpoint(NamedTuple):
     metadata: dict[str, Any]
 
 
-def _is_key(dtype: Any) -> bool:
+def is_key_dtype(dtype: Any) -> bool:
+    """Whether ``dtype`` is a typed PRNG key dtype."""
     return dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key)
 
 
-def _dtype(leaf: Any) -> Any:
+def jax_dtype(leaf: Any) -> Any:
     """The dtype ``leaf`` has (or would have) as a JAX array under the current x64 setting."""
     dtype = getattr(leaf, "dtype", None)
-    return dtype if _is_key(dtype) else jnp.result_type(leaf)
+    return dtype if is_key_dtype(dtype) else jnp.result_type(leaf)
 
 
-def _path(path: Any) -> str:
+def path_name(path: Any) -> str:
+    """A pytree path as messages and headers show it (``['r']``; ``<root>`` for the root)."""
     return jax.tree_util.keystr(path) or "<root>"
+
+
+def checked_metadata(where: str, metadata: Any) -> dict[str, Any]:
+    """``metadata`` as a dict that JSON can store, else a ``CallError``."""
+    if metadata is not None and not isinstance(metadata, Mapping):
+        raise CallError(
+            message(where, "metadata must be a dict.", got=type(metadata).__name__, fix="pass metadata={...}.")
+        )
+    meta = dict(metadata or {})
+    try:
+        json.dumps(meta)
+    except (TypeError, ValueError) as err:
+        raise CallError(
+            message(
+                where,
+                "metadata cannot be stored as JSON.",
+                got=str(err),
+                fix="store numbers, strings, lists and dicts only (e.g. float(energy) instead of a jax.Array).",
+            )
+        ) from None
+    return meta
+
+
+def restored_count(where: str, path: Path, saved: int, expected: int | None, n_walkers: Any) -> int:
+    """The number of walkers to restore of ``saved``: ``n_walkers``, checked, else the saved count.
+
+    ``expected`` is the count of a ``WalkerSet`` given as ``like`` (``None``: any).
+    """
+    if n_walkers is not None:
+        if isinstance(n_walkers, bool) or not isinstance(n_walkers, (int, np.integer)) or n_walkers < 1:
+            raise CallError(
+                message(
+                    where,
+                    "n_walkers must be a positive int, the number of walkers to restore.",
+                    got=repr(n_walkers),
+                    fix=f"pass n_walkers=None for the saved {saved}, or a count such as {saved}.",
+                )
+            )
+        return int(n_walkers)
+    if expected is not None and expected != saved:
+        raise CallError(
+            message(
+                where,
+                f"{str(path)!r} holds {saved} walkers, but the WalkerSet `like` expects {expected}.",
+                got=f"{saved} saved walkers",
+                expected=f"{expected} (like.n_valid)",
+                fix=f"pass n_walkers={expected} to restore {expected} walkers from the {saved} saved "
+                "(duplicates need burn-in), or a `like` of the saved count.",
+            )
+        )
+    return saved
+
+
+def resized(saved: int, restored: int) -> dict[str, Any]:
+    """What ``metadata[sv.RESIZED]`` says after restoring ``restored`` walkers of ``saved``."""
+    return {
+        "saved": saved,
+        "restored": restored,
+        "duplicated": max(0, restored - saved),
+        "dropped": max(0, saved - restored),
+        "needs_burn_in": restored > saved,
+    }
+
+
+def dtype_error(where: str, path: Path, name: str, saved: str, dtype: Any) -> CallError:
+    """Leaf ``name`` of the checkpoint at ``path`` was saved as ``saved``, ``like`` has ``dtype``."""
+    return CallError(
+        message(
+            where,
+            f"leaf {name} was saved as {saved}, but `like` has {dtype}.",
+            got=f"saved dtype {saved} in {str(path)!r}",
+            expected=f"{dtype} (from `like`)",
+            fix="give `like` the saved dtype (and the jax_enable_x64 setting it was saved with), "
+            "then convert after loading.",
+        )
+    )
+
+
+def structure_error(where: str, path: Path, have: list[str], want: list[str], what: str) -> CallError:
+    """The pytree saved in ``path`` (leaf paths ``have``) is not the one of ``like`` (``want``)."""
+    missing = [p for p in have if p not in want]
+    extra = [p for p in want if p not in have]
+    return CallError(
+        message(
+            where,
+            f"the pytree saved in {str(path)!r} has another structure than `like`.",
+            got=f"saved leaves {have}",
+            expected=f"leaves of `like` {want}"
+            + (f"; only in the file: {missing}" if missing else "")
+            + (f"; only in `like`: {extra}" if extra else ""),
+            fix=f"pass a `like` with the structure of the saved {what} (same dict keys, tuple lengths and "
+            "dataclass fields, in the same order).",
+        )
+    )
 
 
 def _stored(leaf: np.ndarray, dtype: Any, key: bool) -> np.ndarray:
@@ -200,31 +295,16 @@ def save_walkers(
     n_valid = set_count if n_valid is None else n_valid
     check_n_valid(where, n_valid, n)
     count = n if n_valid is None else int(n_valid)
-    if metadata is not None and not isinstance(metadata, Mapping):
-        raise CallError(
-            message(where, "metadata must be a dict.", got=type(metadata).__name__, fix="pass metadata={...}.")
-        )
-    meta = dict(metadata or {})
-    try:
-        json.dumps(meta)
-    except (TypeError, ValueError) as err:
-        raise CallError(
-            message(
-                where,
-                "metadata cannot be stored as JSON.",
-                got=str(err),
-                fix="store numbers, strings, lists and dicts only (e.g. float(energy) instead of a jax.Array).",
-            )
-        ) from None
+    meta = checked_metadata(where, metadata)
 
     entries, leaves = [], []
     for path_, leaf in jax.tree_util.tree_flatten_with_path(data)[0]:
-        dtype = _dtype(leaf)
-        key_impl = str(jax.random.key_impl(leaf)) if _is_key(dtype) else None
+        dtype = jax_dtype(leaf)
+        key_impl = str(jax.random.key_impl(leaf)) if is_key_dtype(dtype) else None
         shape = list(np.shape(leaf))
         if shape:
             shape[0] = count
-        entries.append({"path": _path(path_), "dtype": str(dtype), "shape": shape, "key_impl": key_impl})
+        entries.append({"path": path_name(path_), "dtype": str(dtype), "shape": shape, "key_impl": key_impl})
         leaves.append((jax.random.key_data(leaf) if key_impl else leaf, dtype, bool(key_impl)))
     header = {
         "format": _FORMAT,
@@ -357,9 +437,6 @@ def _write_atomic(target: Path, arrays: dict[str, np.ndarray]) -> None:
         os.close(dir_fd)
 
 
-_READ_ERRORS = (OSError, ValueError, EOFError, KeyError, TypeError, zipfile.BadZipFile, UnicodeDecodeError)
-
-
 def _corrupt(path: Path, problem: str, got: str | None = None) -> CallError:
     return CallError(
         message(
@@ -371,14 +448,21 @@ def _corrupt(path: Path, problem: str, got: str | None = None) -> CallError:
     )
 
 
+def _unreadable(path: Path, err: BaseException) -> CallError:
+    # zipfile and np.load report damage in many ways (BadZipFile, NotImplementedError for a
+    # flipped version or compression field, RuntimeError for an "encrypted" flag, ValueError,
+    # EOFError, struct.error, ...): for a file that parsed as far as this, every one means damage.
+    return _corrupt(path, "is truncated or corrupted.", got=f"{type(err).__name__}: {err}")
+
+
 def _open_npz(path: Path) -> Any:
     """``np.load`` of an ``.npz`` (entries are read when asked for), errors as ``CallError``."""
     file = open(path, "rb")  # noqa: SIM115 - handed to the archive, which closes it
     try:
         data = np.load(file, allow_pickle=False)
-    except _READ_ERRORS as err:
+    except Exception as err:
         file.close()
-        raise _corrupt(path, "is truncated or corrupted.", got=f"{type(err).__name__}: {err}") from None
+        raise _unreadable(path, err) from None
     if not isinstance(data, np.lib.npyio.NpzFile):
         file.close()
         raise _corrupt(path, "is a single .npy array, not a shardvmc checkpoint.")
@@ -393,34 +477,97 @@ def _read_header(path: Path) -> tuple[dict[str, Any], Any]:
         if _HEADER not in data.files:
             raise _corrupt(path, "is an .npz file without a shardvmc header, not a shardvmc checkpoint.")
         header = json.loads(bytes(data[_HEADER]).decode())
-        if not isinstance(header, dict) or header.get("format") != _FORMAT:
-            raise _corrupt(path, "has a header that is not a shardvmc walker checkpoint's.")
-        version = header.get("version")
-        if version not in (_VERSION, _MANIFEST_VERSION):
-            raise _corrupt(
-                path,
-                f"is format version {version!r}, which this shardvmc cannot read.",
-                got=f"version {version!r}, expected {_VERSION} or {_MANIFEST_VERSION}",
-            )
-        entries = header["leaves"]
-        if not (
-            isinstance(header["n_valid"], int)
-            and isinstance(header["metadata"], dict)
-            and all({"path", "dtype", "shape", "key_impl"} <= set(e) for e in entries)
-            and (
-                version == _VERSION
-                or isinstance(header.get("data"), str)
-                and re.fullmatch(r"[^/\\]+" + _DATA_SUFFIX, header["data"]) is not None  # a sibling, nothing else
-                and all("blocks" in e for e in entries if e["shape"])
-            )
-        ):
-            raise _corrupt(path, "has a malformed header.")
-    except BaseException as err:
+        _check_header(path, header)
+    except CallError:
         data.close()
-        if isinstance(err, _READ_ERRORS) and not isinstance(err, CallError):
-            raise _corrupt(path, "is truncated or corrupted.", got=f"{type(err).__name__}: {err}") from None
         raise
+    except Exception as err:
+        data.close()
+        raise _unreadable(path, err) from None
     return header, data
+
+
+def check_key_impl(name: Any) -> str | None:
+    """Why ``name`` is not the name of a JAX PRNG implementation (``None`` when it is one)."""
+    if not isinstance(name, str):
+        return f"a key implementation must be a name, not {name!r}"
+    try:
+        jax.eval_shape(lambda: jax.random.key(0, impl=name))
+    except (ValueError, TypeError, KeyError):
+        return f"{name!r} is not a PRNG key implementation of this JAX"
+    return None
+
+
+def check_dtype(name: Any) -> str | None:
+    """Why ``name`` is not a dtype name JAX knows (``None`` when it is one)."""
+    try:
+        if isinstance(name, str) and name.startswith("key<"):
+            return None  # typed keys: their dtype name follows the implementation, checked on its own
+        jnp.dtype(name)
+    except (TypeError, ValueError):
+        return f"dtype {name!r} is not a dtype"
+    return None
+
+
+def check_shape(shape: Any) -> bool:
+    """Whether ``shape`` is a list of non-negative ints (a shape as JSON holds it)."""
+    return isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)
+
+
+def _check_header(path: Path, header: Any) -> None:
+    """Every field of a (possibly hand-edited) header, so that no later step meets a surprise."""
+
+    def malformed(what: str) -> CallError:
+        return _corrupt(path, f"has a malformed header: {what}.")
+
+    if not isinstance(header, dict) or header.get("format") != _FORMAT:
+        raise _corrupt(path, "has a header that is not a shardvmc walker checkpoint's.")
+    version = header.get("version")
+    if version not in (_VERSION, _MANIFEST_VERSION) or type(version) is not int:
+        raise _corrupt(
+            path,
+            f"is format version {version!r}, which this shardvmc cannot read.",
+            got=f"version {version!r}, expected {_VERSION} or {_MANIFEST_VERSION}",
+        )
+    if "n_valid" not in header or not isinstance(header.get("metadata"), dict):
+        raise malformed("it lacks n_valid or its metadata is not a dict")
+    n_valid = header["n_valid"]
+    if type(n_valid) is not int or n_valid < 1:
+        raise malformed(f"n_valid must be a positive int, the number of saved walkers, not {n_valid!r}")
+    entries = header.get("leaves")
+    if not isinstance(entries, list) or not all(
+        isinstance(e, dict) and {"path", "dtype", "shape", "key_impl"} <= set(e) and isinstance(e["path"], str)
+        for e in entries
+    ):
+        raise malformed("its leaves are not a list of {path, dtype, shape, key_impl} entries")
+    for e in entries:
+        name = e["path"]
+        if not check_shape(e["shape"]):
+            raise malformed(f"leaf {name} has the shape {e['shape']!r}, which is not a list of sizes")
+        if e["key_impl"] is not None and (why := check_key_impl(e["key_impl"])):
+            raise malformed(f"leaf {name}: {why}")
+        if e["key_impl"] is None and (why := check_dtype(e["dtype"])):
+            raise malformed(f"leaf {name}: {why}")
+        if e["shape"] and e["shape"][0] != n_valid:
+            raise _corrupt(
+                path, f"is inconsistent: n_valid is {n_valid}, but leaf {name} holds {e['shape'][0]} walkers."
+            )
+    if version == _MANIFEST_VERSION:
+        data_dir = header.get("data")
+        # a sibling of the manifest, nothing else
+        if not isinstance(data_dir, str) or re.fullmatch(r"[^/\\]+" + _DATA_SUFFIX, data_dir) is None:
+            raise malformed(f"its data directory {data_dir!r} is not a sibling data directory of the manifest")
+        for e in entries:
+            blocks = e.get("blocks") if e["shape"] else []
+            if not isinstance(blocks, list) or not all(
+                isinstance(b, list) and len(b) == 3 and all(type(v) is int and v >= 0 for v in b) for b in blocks
+            ):
+                raise malformed(f"leaf {e['path']} has no valid list of [start, stop, process] blocks")
+
+
+def _key_data_struct(impl: str) -> jax.ShapeDtypeStruct:
+    """Shape and dtype of one key's data for the implementation ``impl``."""
+    return jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0, impl=impl)))
 
 
 class _Reader:
@@ -444,8 +591,10 @@ class _Reader:
             return self.archives[part][f"leaf_{i}"]
         except FileNotFoundError:
             raise _corrupt(self.path, f"names the part file {str(file)!r}, which is missing.") from None
-        except _READ_ERRORS as err:
-            raise _corrupt(file, "is truncated or corrupted.", got=f"{type(err).__name__}: {err}") from None
+        except CallError:
+            raise
+        except Exception as err:
+            raise _unreadable(file, err) from None
 
     def _checked(self, part: str | None, i: int, rows: int | None, dtype: Any) -> np.ndarray:
         """Entry ``leaf_<i>`` of ``part``, its shape (``rows`` walkers) and dtype checked."""
@@ -455,12 +604,14 @@ class _Reader:
         data = self._entry(part, i)
         saved = tuple(entry["shape"])
         expected = saved if rows is None else (rows, *saved[1:])
-        stored = data.shape[: data.ndim - 1] if entry["key_impl"] else data.shape  # key data: one more axis
-        if stored != expected:
+        if entry["key_impl"]:  # key data: the implementation's shape and dtype follow the key's
+            key_data = _key_data_struct(entry["key_impl"])
+            expected, dtype = (*expected, *key_data.shape), key_data.dtype
+        if data.shape != expected:
             raise _corrupt(
                 self.path, f"is inconsistent: leaf {entry['path']} does not have the shape its header gives."
             )
-        if not entry["key_impl"] and data.dtype != dtype:
+        if data.dtype != dtype:
             if np.dtype(dtype).isbuiltin == 1 or data.dtype != np.dtype(f"u{np.dtype(dtype).itemsize}"):
                 raise _corrupt(
                     self.path, f"is inconsistent: leaf {entry['path']} holds {data.dtype} data, not {dtype}."
@@ -488,7 +639,7 @@ class _Reader:
             offsets.append(totals.get(part, 0))
             totals[part] = totals.get(part, 0) + b - a
         if entry["key_impl"]:  # stored as key data: the key's own shape and dtype follow the walker's
-            data = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0, impl=entry["key_impl"])))
+            data = _key_data_struct(entry["key_impl"])
             trailing, stored = (*entry["shape"][1:], *data.shape), data.dtype
         else:
             trailing, stored = tuple(entry["shape"][1:]), dtype
@@ -582,13 +733,7 @@ def load_walkers(
     target = saved if n_walkers is None else int(n_walkers)
     metadata = dict(header["metadata"])
     if target != saved:
-        metadata[RESIZED] = {
-            "saved": saved,
-            "restored": target,
-            "duplicated": max(0, target - saved),
-            "dropped": max(0, saved - target),
-            "needs_burn_in": target > saved,
-        }
+        metadata[RESIZED] = resized(saved, target)
     return Checkpoint(WalkerSet(tree, target), target, metadata)
 
 
@@ -599,46 +744,12 @@ def _load(
     path, header = reader.path, reader.header
     entries = header["leaves"]
     flat, treedef = jax.tree_util.tree_flatten_with_path(like)
-    want = [_path(p) for p, _ in flat]
+    want = [path_name(p) for p, _ in flat]
     have = [e["path"] for e in entries]
     if want != have:
-        missing = [p for p in have if p not in want]
-        extra = [p for p in want if p not in have]
-        raise CallError(
-            message(
-                where,
-                f"the pytree saved in {str(path)!r} has another structure than `like`.",
-                got=f"saved leaves {have}",
-                expected=f"leaves of `like` {want}"
-                + (f"; only in the file: {missing}" if missing else "")
-                + (f"; only in `like`: {extra}" if extra else ""),
-                fix="pass a `like` with the structure of the saved walkers (same dict keys, tuple lengths and "
-                "dataclass fields, in the same order).",
-            )
-        )
+        raise structure_error(where, path, have, want, "walkers")
     saved = header["n_valid"]
-    if n_walkers is not None:
-        if isinstance(n_walkers, bool) or not isinstance(n_walkers, (int, np.integer)) or n_walkers < 1:
-            raise CallError(
-                message(
-                    where,
-                    "n_walkers must be a positive int, the number of walkers to restore.",
-                    got=repr(n_walkers),
-                    fix=f"pass n_walkers=None for the saved {saved}, or a count such as {saved}.",
-                )
-            )
-    elif expected_count is not None and expected_count != saved:
-        raise CallError(
-            message(
-                where,
-                f"{str(path)!r} holds {saved} walkers, but the WalkerSet `like` expects {expected_count}.",
-                got=f"{saved} saved walkers",
-                expected=f"{expected_count} (like.n_valid)",
-                fix=f"pass n_walkers={expected_count} to restore {expected_count} walkers from the {saved} saved "
-                "(duplicates need burn-in), or a `like` of the saved count.",
-            )
-        )
-    target = saved if n_walkers is None else int(n_walkers)
+    target = restored_count(where, path, saved, expected_count, n_walkers)
     n_pad = pad_n_walkers(target, _compat.axis_size(mesh, axis_name))
     rows = np.arange(n_pad)
     source = np.where(rows < target, rows % saved, 0)  # padding: copies of walker 0
@@ -646,33 +757,22 @@ def _load(
     leaves = []
     for i, ((_, model), entry) in enumerate(zip(flat, entries)):
         name = entry["path"]
-        dtype = _dtype(model)
+        dtype = jax_dtype(model)
         if str(dtype) != entry["dtype"]:
-            raise CallError(
-                message(
-                    where,
-                    f"leaf {name} was saved as {entry['dtype']}, but `like` has {dtype}.",
-                    got=f"saved dtype {entry['dtype']}",
-                    expected=f"{dtype} (from `like`)",
-                    fix="give `like` the saved dtype (and the jax_enable_x64 setting it was saved with), "
-                    "then convert after loading.",
-                )
-            )
+            raise dtype_error(where, path, name, entry["dtype"], dtype)
         model_shape, saved_shape = tuple(np.shape(model)), tuple(entry["shape"])
         if (len(model_shape) == 0) != (len(saved_shape) == 0) or model_shape[1:] != saved_shape[1:]:
             raise CallError(
                 message(
                     where,
                     f"leaf {name} has other per-walker (trailing) dimensions in the file than in `like`.",
-                    got=f"saved shape {saved_shape} (walker axis first)",
+                    got=f"saved shape {saved_shape} (walker axis first) in {str(path)!r}",
                     expected=f"(n_walkers, {', '.join(map(str, model_shape[1:]))}) from `like` shape {model_shape}"
                     if model_shape
                     else "a scalar, as in `like`",
                     fix="pass a `like` whose leaves have the saved per-walker shapes.",
                 )
             )
-        if saved_shape and saved_shape[0] != saved:
-            raise _corrupt(path, f"is inconsistent: leaf {name} does not have the shape its header gives.")
         if saved_shape:
             placed = reader.place(i, dtype, source, sharding)
         else:

@@ -18,6 +18,7 @@ import ctypes
 import functools
 import hashlib
 import os
+import signal
 import sys
 import threading
 from collections.abc import Sequence
@@ -32,9 +33,12 @@ __all__ = [
     "ENV_COORDINATOR",
     "ENV_NUM_PROCESSES",
     "ENV_PROCESS_ID",
+    "PREEMPTED_EXIT_CODE",
+    "PREEMPTION_SIGNALS",
     "check_consistent",
     "initialize",
     "is_launched",
+    "reached_preemption",
 ]
 
 ENV_COORDINATOR = "SHARDVMC_COORDINATOR_ADDRESS"
@@ -451,3 +455,134 @@ def check_consistent(tree: Any, *, what: str = "params") -> None:
                 "all-reduced (Mean/Sum) quantities, never per-process ones.",
             )
         )
+
+
+PREEMPTED_EXIT_CODE = 75
+"""Exit code of a run that stopped at a preemption notice with its state saved: "run me again".
+
+75 is ``EX_TEMPFAIL`` of ``sysexits.h`` (a temporary failure; retrying may succeed).
+A batch script requeues the job on it (see the SLURM script in ``docs/cluster.md``);
+``python -m shardvmc.launch`` exits with it too when its processes do.
+"""
+
+PREEMPTION_SIGNALS = ("SIGTERM", "SIGUSR1")
+"""The signals :func:`reached_preemption` takes as a preemption notice by default."""
+
+_PREEMPTED = threading.Event()  # a notice arrived (a process without JAX's distributed runtime)
+_HANDLED: set[int] = set()  # the signals this module handles
+
+
+def _signal_numbers(signals: Sequence[str | int], where: str) -> list[int]:
+    numbers = []
+    for sig in signals:
+        try:
+            number = int(getattr(signal, sig) if isinstance(sig, str) else sig)
+            signal.Signals(number)
+        except (AttributeError, ValueError, TypeError):
+            raise CallError(
+                message(
+                    where,
+                    f"{sig!r} is not a signal of this platform.",
+                    fix='name signals as the signal module does, e.g. signals=("SIGTERM", "SIGUSR1").',
+                )
+            ) from None
+        numbers.append(number)
+    return numbers
+
+
+def _on_notice(number: int, frame: Any) -> None:
+    _PREEMPTED.set()
+
+
+def _forward_to_jax(number: int, frame: Any) -> None:
+    # JAX's preemption notifier (C++, installed by jax.distributed.initialize) listens for
+    # SIGTERM only: another notice signal is handed on to it as a SIGTERM of this process.
+    signal.raise_signal(signal.SIGTERM)
+
+
+def reached_preemption(step: int, *, signals: Sequence[str | int] = PREEMPTION_SIGNALS) -> bool:
+    """Whether the run should save its state and stop now: a preemption notice arrived.
+
+    Call it at every step, on every process, with increasing steps. Once any process
+    has received one of ``signals`` (SLURM sends SIGTERM before it ends a job, or the
+    signal chosen with ``--signal``), it returns ``True`` on every process at the same
+    step; then save the state at that step (:meth:`sv.Checkpointer.save
+    <shardvmc.Checkpointer.save>`), wait for the write, and exit with
+    :data:`PREEMPTED_EXIT_CODE`.
+
+    In a multi-process run (after :func:`initialize`) this is JAX's preemption sync
+    point (``jax.experimental.multihost_utils.reached_preemption_sync_point``): JAX's
+    notifier catches SIGTERM from ``jax.distributed.initialize`` on (so SIGTERM counts
+    whatever ``signals`` says), the notice travels through the coordination service,
+    the processes agree on the next step after the furthest one, and it returns
+    ``True`` at exactly that step on all of them. The other signals named are handed
+    on to that notifier. In a single process without JAX's distributed runtime (where
+    JAX's sync point never fires), the first call installs handlers for ``signals``
+    that record the notice, and it returns ``True`` from the next call on.
+
+    The handlers replace those the program had for these signals, so a notice no
+    longer ends the process: the loop must call this function and stop.
+
+    Args:
+        step: the training step (an int, increasing from call to call).
+        signals: the signals taken as a notice, by name or number.
+
+    Returns:
+        ``True`` when the run should save and stop at this step.
+
+    Raises:
+        CallError: for an unknown signal, a call outside the main thread (signal
+            handlers can only be installed there), or JAX's preemption service turned
+            off (``jax_enable_preemption_service``).
+
+    Example:
+        >>> import shardvmc as sv
+        >>> sv.distributed.reached_preemption(0, signals=())  # (no handler here: the test process keeps its own)
+        False
+
+        A training loop::
+
+            with sv.Checkpointer("run/checkpoints") as ckpt:
+                for step in range(start, steps):
+                    state = train_step(state)
+                    preempted = sv.distributed.reached_preemption(step)
+                    if preempted or step % 100 == 0:
+                        ckpt.save(step, state)
+                    if preempted:
+                        ckpt.wait()
+                        sys.exit(sv.distributed.PREEMPTED_EXIT_CODE)
+    """
+    where = "shardvmc.distributed.reached_preemption"
+    if isinstance(step, bool) or not isinstance(step, (int, np.integer)):
+        raise CallError(message(where, "step must be an int.", got=repr(step), fix="pass the training step, int(t)."))
+    numbers = _signal_numbers(signals, where)
+    with_runtime = jax.distributed.is_initialized()
+    wanted = [n for n in numbers if n not in _HANDLED and not (with_runtime and n == signal.SIGTERM)]
+    if wanted:
+        if threading.current_thread() is not threading.main_thread():
+            raise CallError(
+                message(
+                    where,
+                    "the first call must come from the main thread, the only one that can install signal handlers.",
+                    got=f"called from thread {threading.current_thread().name!r}",
+                    fix="call it from the training loop in the main thread.",
+                )
+            )
+        for number in wanted:
+            signal.signal(number, _forward_to_jax if with_runtime else _on_notice)
+            _HANDLED.add(number)
+    if not with_runtime:
+        return _PREEMPTED.is_set()
+    from jax.experimental import multihost_utils
+
+    try:
+        return bool(multihost_utils.reached_preemption_sync_point(int(step)))
+    except RuntimeError as err:
+        raise CallError(
+            message(
+                where,
+                "JAX's preemption service is off, so processes cannot agree on a step to stop at.",
+                got=str(err),
+                fix="leave jax_enable_preemption_service on (its default) when calling jax.distributed.initialize.",
+            )
+        ) from None

@@ -25,6 +25,8 @@ PUBLIC = {
     "CommunicationWarning",
     # checkpoints and multi-process
     "save_walkers", "load_walkers", "Checkpoint", "RESIZED", "distributed",
+    # training-state checkpoints (orbax-checkpoint, the `checkpoint` extra)
+    "save_state", "load_state", "Checkpointer", "wait_for_saves",
 }  # fmt: skip
 
 

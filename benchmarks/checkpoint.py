@@ -1,0 +1,285 @@
+"""Training-state checkpoints: save and restore times and bytes, and the per-step cost of asynchronous saves.
+
+    python benchmarks/checkpoint.py io                      # 8 fake devices: save, restore on 8 and on 3
+    python -m shardvmc.launch -n 2 --devices-per-process 2 -- \\
+        python benchmarks/checkpoint.py io --dir /tmp/ckpt2x2   # 2 x 2 processes: save, restore on 2 x 2
+    python benchmarks/checkpoint.py io --restore-only --dir /tmp/ckpt2x2 --devices 3   # that one, on 1 x 3
+    python benchmarks/checkpoint.py steps                   # the neural example's step, saves every 10 steps vs none
+
+``io``: a state of 65,536 walkers of 16 electrons in float64 (a ``WalkerSet``, 25.2 MB)
+plus 10^6 float64 parameters with an optax Adam state (24 MB), the step and a key, saved
+with ``sv.save_state`` and restored with ``sv.load_state``; beside it, the walkers alone
+through orbax (``sv.save_state``) and through the 0.2.0 ``.npz`` format
+(``sv.save_walkers``), measured in turn in each repetition. Figures are medians over
+``--reps`` repetitions, in seconds: ``save`` until the call returns (the state is on the
+host), ``commit`` until the checkpoint is on disk, ``restore``.
+
+``steps``: the optimisation step of ``examples/neural_vmc.py`` (FermiNet-style network,
+folx Laplacian, natural gradient by CG on CPU as the example's command line picks;
+imported from the example by file path) in
+blocks of 20 steps, with a ``sv.Checkpointer`` save of the whole state every 10 steps
+and without, the two blocks interleaved (the order reversed every other repetition);
+the figure is the median over repetitions of the per-block ratio of step times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _request_devices(n: int) -> None:
+    if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={n}"
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+def _bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def _median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def make_state(mesh: Any, walkers: int, electrons: int, params: int) -> dict[str, Any]:
+    """The benchmark's training state (float64; ``jax_enable_x64`` on)."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    import shardvmc as sv
+
+    walker_set = sv.initialize_walkers_sharded(
+        lambda k: jax.random.normal(k, (electrons, 3), jnp.float64), walkers, mesh, key=jax.random.key(0)
+    )
+    half = params // 2
+    p = jax.jit(
+        lambda: {
+            "w1": jax.random.normal(jax.random.key(1), (half // 1000, 1000), jnp.float64),
+            "w2": jax.random.normal(jax.random.key(2), (params - half // 1000 * 1000,), jnp.float64),
+        }
+    )()
+    p = sv.replicate(p, mesh)
+    adam = optax.adam(1e-3)
+    opt = jax.jit(lambda q: adam.update(jax.tree.map(jnp.sin, q), adam.init(q), q)[1])(p)
+    return {"walkers": walker_set, "params": p, "opt": opt, "step": 1000, "key": jax.random.key(3)}
+
+
+def io(args: argparse.Namespace) -> dict[str, Any]:
+    import jax
+    import numpy as np
+
+    import shardvmc as sv
+
+    if sv.distributed.is_launched():
+        sv.distributed.initialize()
+    jax.config.update("jax_enable_x64", True)
+    mesh = sv.create_mesh()
+    me = jax.process_index()
+    base = Path(args.dir or tempfile.mkdtemp(prefix="ckpt-bench-"))
+    layout = f"{jax.process_count()} x {jax.local_device_count()}"
+    state = make_state(mesh, args.walkers, args.electrons, args.params)
+    result: dict[str, Any] = {"layout": layout, "walkers": args.walkers, "electrons": args.electrons}
+    arrays = [x for x in jax.tree.leaves(state) if hasattr(x, "dtype") and x.ndim]
+    result["state_mb"] = sum(np.dtype(x.dtype).itemsize * x.size for x in arrays) / 1e6
+    if args.restore_only:
+        times = []
+        for _ in range(args.reps):
+            start = time.perf_counter()
+            restored, _ = sv.load_state(base / "state", state, mesh=mesh)
+            jax.block_until_ready(restored)
+            times.append(time.perf_counter() - start)
+        result.update({"restore s": _median(times), "reps": args.reps})
+        print(json.dumps(result, indent=1))
+        return result
+    other = sv.create_mesh(jax.devices()[:3]) if jax.process_count() == 1 and jax.device_count() > 3 else None
+    walkers_only = {"walkers": state["walkers"]}
+    rows: dict[str, list[float]] = {}
+
+    def add(name: str, seconds: float) -> None:
+        rows.setdefault(name, []).append(seconds)
+
+    for rep in range(args.reps + 1):  # the first round compiles and warms the file system: not counted
+        order = ["state", "walkers-orbax", "walkers-npz"]
+        for variant in order if rep % 2 else order[::-1]:
+            target = base / variant
+            if variant == "walkers-npz":
+                start = time.perf_counter()
+                sv.save_walkers(base / "walkers.npz", state["walkers"])
+                saved = time.perf_counter() - start
+                committed = saved
+                start = time.perf_counter()
+                jax.block_until_ready(sv.load_walkers(base / "walkers.npz", state["walkers"], mesh).walkers.data)
+                restored = time.perf_counter() - start
+                size = sum(_bytes(p) if p.is_dir() else p.stat().st_size for p in base.glob("walkers.npz*"))
+            else:
+                tree = state if variant == "state" else walkers_only
+                start = time.perf_counter()
+                sv.save_state(target, tree)
+                saved = time.perf_counter() - start
+                sv.wait_for_saves()
+                committed = time.perf_counter() - start
+                start = time.perf_counter()
+                jax.block_until_ready(sv.load_state(target, tree, mesh=mesh)[0])
+                restored = time.perf_counter() - start
+                size = _bytes(target)
+                if other is not None and variant == "state":
+                    start = time.perf_counter()
+                    jax.block_until_ready(sv.load_state(target, tree, mesh=other)[0])
+                    add("state restore on 3 devices", time.perf_counter() - start)
+                    start = time.perf_counter()
+                    jax.block_until_ready(sv.load_state(target, tree, mesh=other, n_walkers=2 * args.walkers)[0])
+                    add("state restore on 3 devices, twice the walkers", time.perf_counter() - start)
+            if rep:
+                add(f"{variant} save", saved)
+                add(f"{variant} commit", committed)
+                add(f"{variant} restore", restored)
+                result[f"{variant} MB"] = size / 1e6
+    if rows.get("state restore on 3 devices"):
+        rows = {k: v[1:] if k.startswith("state restore on 3") else v for k, v in rows.items()}  # (first: warm-up)
+    result.update({f"{k} s": _median(v) for k, v in rows.items()})
+    result["reps"] = args.reps
+    if me == 0:
+        print(json.dumps(result, indent=1))
+    return result
+
+
+def _example() -> Any:
+    spec = importlib.util.spec_from_file_location("neural_vmc", ROOT / "examples" / "neural_vmc.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["neural_vmc"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def steps(args: argparse.Namespace) -> dict[str, Any]:
+    nv = _example()
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.flatten_util import ravel_pytree
+
+    import shardvmc as sv
+
+    # The optimiser the example's command line picks (CG on CPU, minSR on accelerators), unless given.
+    optimiser = args.optimiser or ("cg" if jax.devices()[0].platform == "cpu" else "minsr")
+    config = nv.Config(system=args.system, walkers=args.walkers, sweeps=args.sweeps, optimiser=optimiser)
+    mesh = sv.create_mesh()
+    root = jax.random.key(config.seed)
+    with jax.enable_x64(True), sv.use_mesh(mesh):
+        dtype = jnp.float64
+        params = sv.replicate(nv.init_params(config, dtype), mesh)
+        n_params = int(ravel_pytree(params)[0].size)
+        state = nv.State(
+            params, sv.replicate(jnp.zeros((n_params,), dtype), mesh), sv.replicate(jnp.asarray(0.3, dtype), mesh)
+        )
+        system = nv.SYSTEMS[config.system]
+
+        def init_walker(key: jax.Array) -> dict:
+            return {"r": nv.systems.init_walkers(key, system, 1, dtype)[0], "log_psi": jnp.zeros((), dtype)}
+
+        walkers = sv.initialize_walkers_sharded(init_walker, config.walkers, key=jax.random.fold_in(root, 0))
+        walkers = nv.make_kernels(mesh, config.batch_size).refresh(state.params, walkers, system)
+        train, _ = nv.make_steps(config, mesh)
+        t = 0
+        blocking: list[float] = []
+
+        def block(ckpt: Any) -> float:
+            nonlocal state, walkers, t
+            start = time.perf_counter()
+            for _ in range(args.block):
+                state, walkers, stats = train(state, walkers, jax.random.fold_in(root, t + 1), jnp.asarray(t, dtype))
+                nv.host(stats)  # the example reads the statistics every step
+                t += 1
+                if ckpt is not None and t % args.every == 0:
+                    s0 = time.perf_counter()
+                    ckpt.save(t, {"state": state, "walkers": walkers, "step": t, "key": root})
+                    blocking.append(time.perf_counter() - s0)
+            return (time.perf_counter() - start) / args.block
+
+        directory = Path(tempfile.mkdtemp(prefix="ckpt-steps-"))
+        with sv.Checkpointer(directory, keep=2) as ckpt:
+            block(None)
+            block(ckpt)  # warm-up: compiles, first saves
+            ratios, plain, saving = [], [], []
+            for rep in range(args.reps):
+                pair = {}
+                for variant in ("plain", "saving") if rep % 2 == 0 else ("saving", "plain"):
+                    pair[variant] = block(ckpt if variant == "saving" else None)
+                plain.append(pair["plain"])
+                saving.append(pair["saving"])
+                ratios.append(pair["saving"] / pair["plain"])
+                print(f"rep {rep}: {pair['plain']:.3f} s/step plain, {pair['saving']:.3f} saving", file=sys.stderr)
+            ckpt.wait()
+            arrays = [x for x in jax.tree.leaves((state, walkers)) if hasattr(x, "dtype") and x.ndim]
+            state_bytes = sum(np.dtype(x.dtype).itemsize * x.size for x in arrays)
+    q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
+    result = {
+        "system": config.system,
+        "optimiser": config.optimiser,
+        "walkers": config.walkers,
+        "n_params": n_params,
+        "devices": int(mesh.devices.size),
+        "state_mb": state_bytes / 1e6,
+        "step_s": _median(plain),
+        "step_with_saves_s": _median(saving),
+        "ratio": statistics.median(ratios),
+        "ratio_q25": q[0],
+        "ratio_q75": q[2],
+        "save_blocking_s": _median(blocking),
+        # what the blocking part of the saves alone adds to a step (the rest is the background write's share
+        # of the CPU, which the ratio above includes)
+        "blocking_per_step_fraction": _median(blocking) / args.every / _median(plain),
+        "reps": args.reps,
+        "block": args.block,
+        "every": args.every,
+    }
+    print(json.dumps(result, indent=1))
+    return result
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="part", required=True)
+    p_io = sub.add_parser("io", help="save and restore times and bytes")
+    p_io.add_argument("--walkers", type=int, default=65536)
+    p_io.add_argument("--electrons", type=int, default=16)
+    p_io.add_argument("--params", type=int, default=10**6)
+    p_io.add_argument("--reps", type=int, default=3)
+    p_io.add_argument("--devices", type=int, default=8, help="fake CPU devices of one process (default 8)")
+    p_io.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
+    p_io.add_argument("--restore-only", action="store_true", help="restore the state saved in --dir")
+    p_steps = sub.add_parser("steps", help="per-step cost of asynchronous saves in the neural example")
+    p_steps.add_argument("--system", default="Li")
+    p_steps.add_argument("--walkers", type=int, default=512)
+    p_steps.add_argument("--sweeps", type=int, default=20, help="Metropolis moves per step (the example's default)")
+    p_steps.add_argument("--optimiser", default=None, help="default: the example's (cg on CPU, minsr elsewhere)")
+    p_steps.add_argument("--reps", type=int, default=7)
+    p_steps.add_argument("--block", type=int, default=20, help="steps per timed block")
+    p_steps.add_argument("--every", type=int, default=10, help="steps between saves")
+    p_steps.add_argument("--devices", type=int, default=8)
+    for p in (p_io, p_steps):
+        p.add_argument("--json", default=None, help="write the result here")
+    args = parser.parse_args(argv)
+    if not os.environ.get("SHARDVMC_NUM_PROCESSES"):  # the launcher sets the device count itself
+        _request_devices(args.devices)
+    result = io(args) if args.part == "io" else steps(args)
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    return result
+
+
+if __name__ == "__main__":
+    main()
