@@ -125,9 +125,12 @@ def _kernel(
 ) -> WalkerParallel:
     names = tuple(name for name, _ in kinds)
     layout = Layout(tuple(Param(n, k) for n, k in kinds), output, _signature(names))
-    return WalkerParallel(
-        body, layout, mesh=mesh, options=Options(axis_name=axis, batched=True), qualname=f"{_WHERE}.{body.__name__}"
-    )
+    # checks=False: no second trace under JAX's varying-axes check to prove the Replicated outputs
+    # replicated. kfac-jax keeps the layers its graph matcher finds at the first trace, and under that check
+    # the program holds pvary casts between parameters and matmuls, where it would match no dense layer.
+    # kfac-jax's own pmeans make the step's outputs replicated.
+    options = Options(axis_name=axis, batched=True, checks=False)
+    return WalkerParallel(body, layout, mesh=mesh, options=options, qualname=f"{_WHERE}.{body.__name__}")
 
 
 def _walker_mesh(mesh: Mesh, axis: str) -> Mesh:
