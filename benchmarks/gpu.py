@@ -3,7 +3,7 @@
 The rows, each speed a ratio of two variants timed in turn (``harness.interleaved``:
 median over repetitions [quartiles]), all in ONE table:
 
-- **8, kernels**: the corpus's FermiNet-style network (``tests/models``: Li, 2 layers
+- **8, kernels**: the corpus's FermiNet-style network (``examples/models``: Li, 2 layers
   of 32/8 hidden units, 4 determinants, 4,753 parameters; local energy by folx's
   forward Laplacian), per-walker output, decorated / hand-written
   ``jax.jit(shard_map(vmap))`` at 4,096, 16,384 and 65,536 walkers (and at the largest
@@ -445,7 +445,7 @@ def neural_rows(guard: Guard, mesh: Any, sizes: Sizes, optimiser: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     here = os.path.dirname(os.path.abspath(__file__))
-    sys.path[:0] = [here, os.path.join(os.path.dirname(here), "tests"), os.path.dirname(here)]
+    sys.path[:0] = [here, os.path.join(os.path.dirname(here), "examples"), os.path.dirname(here)]
     cpu_devices = args.cpu_devices or (8 if args.smoke else 0)
     if cpu_devices:
         from shardvmc.testing import set_cpu_devices

@@ -345,7 +345,7 @@ def neural_step(report: Any, facts: dict[str, Any], mesh: Any, args: argparse.Na
     import shardvmc as sv
 
     here = os.path.dirname(os.path.abspath(__file__))
-    sys.path.insert(0, os.path.join(os.path.dirname(here), "tests"))
+    sys.path.insert(0, os.path.join(os.path.dirname(here), "examples"))
     spec = importlib.util.spec_from_file_location("neural_vmc", os.path.join(here, "..", "examples", "neural_vmc.py"))
     neural = importlib.util.module_from_spec(spec)
     sys.modules["neural_vmc"] = neural

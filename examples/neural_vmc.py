@@ -2,7 +2,7 @@
 
 The real workload: a permutation-equivariant network (one- and two-electron streams,
 K determinants with exponential envelopes, a cusp Jastrow; the corpus model
-``tests/models/ferminet.py``) trained by variational Monte Carlo with the natural
+``examples/models/ferminet.py``) trained by variational Monte Carlo with the natural
 gradient. Every per-walker piece is written for ONE walker and made walker-parallel
 with ``sv.walker_parallel``:
 
@@ -22,7 +22,7 @@ length in the Fisher metric, ``lr^2 d.S.d``, at most ``--max-norm``); J never le
 its device. After the optimisation an evaluation phase with fixed parameters gives the
 energy and its error bar (``sv.statistics``). Walkers live in a ``sv.WalkerSet``.
 
-Systems (atoms and charges as data, ``tests/models/systems.py``): Li (exact -7.47806,
+Systems (atoms and charges as data, ``examples/models/systems.py``): Li (exact -7.47806,
 HF -7.43273), LiH at 3.015 bohr (exact -8.07050), Be (exact -14.66736, HF -14.57302).
 
 Run it (8 fake CPU devices when there is no accelerator; float64 by default):
@@ -91,11 +91,9 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.flatten_util import ravel_pytree  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
+from models import ferminet, hamiltonian, systems  # noqa: E402
 
 import shardvmc as sv  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from models import ferminet, hamiltonian, systems  # noqa: E402
 
 SYSTEMS = {name: systems.SYSTEMS[name] for name in ("Li", "LiH", "Be")}
 OPTIMISERS = ("minsr", "spring", "dense", "cg")
