@@ -39,9 +39,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _request_devices(n: int) -> None:
+    from shardvmc.testing import set_cpu_devices
+
     if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={n}"
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    set_cpu_devices(n)
 
 
 def _bytes(path: Path) -> int:

@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from shardvmc.testing import CPU_SCHEDULER_FLAG
+from shardvmc.testing import cpu_environment
 
 ROOT = Path(__file__).resolve().parents[1]
 SIZES = (1_000, 100_000, 1_000_000)  # float32 elements: 4 kB, 400 kB, 4 MB
@@ -188,9 +188,7 @@ def measure(reps: int) -> dict[str, float]:
 
 def _env(devices: int) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SHARDVMC_")}
-    flags = " ".join(f for f in env.get("XLA_FLAGS", "").split() if "device_count" not in f)
-    flags += f" {CPU_SCHEDULER_FLAG}"
-    env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={devices}".strip()
+    cpu_environment(env, devices, replace=True)
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH", "")]))
     return env

@@ -48,10 +48,9 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-        os.environ["XLA_FLAGS"] = (
-            f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={args.devices}"
-        )
+    from shardvmc.testing import set_cpu_devices
+
+    set_cpu_devices(args.devices)
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
     import jax
 

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -42,7 +41,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import IO
 
 from .distributed import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID
-from .testing import CPU_SCHEDULER_FLAG
+from .testing import cpu_environment
 
 __all__ = ["DEFAULT_GRACE_S", "TIMEOUT_EXIT_CODE", "free_port", "launch", "main", "process_env"]
 
@@ -51,8 +50,6 @@ TIMEOUT_EXIT_CODE = 124
 
 DEFAULT_GRACE_S = 3.0
 """Seconds from SIGTERM to SIGKILL when the launcher stops the processes (``--grace``)."""
-
-_DEVICE_COUNT_FLAG = re.compile(r"--xla_force_host_platform_device_count=\S*")
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -99,11 +96,7 @@ def process_env(
         for name in ("no_proxy", "NO_PROXY"):  # keep a configured proxy away from the loopback coordinator
             env[name] = ",".join(filter(None, [env.get(name, ""), host, "localhost"]))
     if devices_per_process is not None:
-        flags = _DEVICE_COUNT_FLAG.sub("", env.get("XLA_FLAGS", "")).split()
-        flags.append(f"--xla_force_host_platform_device_count={devices_per_process}")
-        if CPU_SCHEDULER_FLAG not in flags:  # the XLA CPU deadlock workaround (shardvmc.testing)
-            flags.append(CPU_SCHEDULER_FLAG)
-        env["XLA_FLAGS"] = " ".join(flags)
+        cpu_environment(env, devices_per_process, replace=True)
         env["JAX_PLATFORMS"] = "cpu"
     return env
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import MutableMapping
 from typing import Any
 
 import jax
@@ -10,7 +11,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ._mesh import resolve_mesh
 
-__all__ = ["CPU_SCHEDULER_FLAG", "assert_replicated", "assert_walker_sharded", "set_cpu_devices"]
+__all__ = ["CPU_SCHEDULER_FLAG", "assert_replicated", "assert_walker_sharded", "cpu_environment", "set_cpu_devices"]
 
 CPU_SCHEDULER_FLAG = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
 """The XLA flag that keeps XLA's CPU runtime from deadlocking on larger programs.
@@ -21,21 +22,60 @@ thread idle, the call never returns); the concurrency-optimised scheduler is the
 """
 
 
+_COUNT = "--xla_force_host_platform_device_count"
+
+
+def cpu_environment(env: MutableMapping[str, str], n: int | None = None, *, replace: bool = False) -> None:
+    """Write into ``env`` the settings of a CPU run on ``n`` fake devices: the one place they are made.
+
+    Sets, in ``XLA_FLAGS``, the device count (``--xla_force_host_platform_device_count``;
+    kept when one is there, unless ``replace``: ``n=None`` with ``replace`` removes it) and
+    :data:`CPU_SCHEDULER_FLAG` (XLA's CPU runtime in jaxlib 0.10.2 deadlocks on larger
+    programs without it: every thread idles on a futex and the call never returns). With
+    more than one fake device it also sets ``OPENBLAS_NUM_THREADS=1`` unless set: jaxlib's
+    CPU LAPACK kernels (Cholesky, triangular solves, ``eigh``) call scipy's OpenBLAS, and
+    when every fake device runs its own call at once, OpenBLAS's worker threads spin on
+    the shared cores (a 512 x 512 Cholesky replicated on 8 fake devices took 100 times as
+    long as one; see ``benchmarks/RESULTS.md``). On accelerators the flags only affect
+    the host platform.
+
+    Args:
+        env: the environment to edit: ``os.environ`` (before JAX starts its backend, see
+            :func:`set_cpu_devices`) or a child process's.
+        n: the number of fake CPU devices; ``None``: leave the count alone (or, with
+            ``replace``, remove it).
+        replace: set the count even when ``XLA_FLAGS`` has one (a launcher's choice for
+            its children); otherwise the count already there wins.
+
+    Example:
+        >>> from shardvmc.testing import cpu_environment
+        >>> env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+        >>> cpu_environment(env, 2, replace=True)
+        >>> env["XLA_FLAGS"].split()[0], env["OPENBLAS_NUM_THREADS"]
+        ('--xla_force_host_platform_device_count=2', '1')
+    """
+    flags = env.get("XLA_FLAGS", "").split()
+    if replace:
+        flags = [f for f in flags if not f.startswith(_COUNT)]
+    if n is not None and not any(f.startswith(_COUNT) for f in flags):
+        flags.append(f"{_COUNT}={int(n)}")
+    if not any(f.startswith(CPU_SCHEDULER_FLAG.split("=")[0]) for f in flags):
+        flags.append(CPU_SCHEDULER_FLAG)
+    env["XLA_FLAGS"] = " ".join(flags)
+    counts = [f.split("=", 1)[1] for f in flags if f.startswith(f"{_COUNT}=")]
+    if counts and counts[-1].isdigit() and int(counts[-1]) > 1:
+        env.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+
 def set_cpu_devices(n: int | None = None) -> None:
-    """Configure the CPU backend: ``n`` fake CPU devices and the deadlock workaround.
+    """Configure this process's CPU backend: ``n`` fake CPU devices and the deadlock workaround.
 
     Call it before anything starts JAX's backend (importing ``jax`` and ``shardvmc`` is
-    fine; creating an array is not). It appends to ``XLA_FLAGS``: the device count unless
-    one is already set (so a launcher's or user's choice wins), and
-    :data:`CPU_SCHEDULER_FLAG` unless present. On accelerators the flags only affect the
-    host platform.
-
-    With more than one fake device it also sets ``OPENBLAS_NUM_THREADS=1`` unless set:
-    jaxlib's CPU LAPACK kernels (Cholesky, triangular solves, ``eigh``) call scipy's
-    OpenBLAS, and when every fake device runs its own call at once, OpenBLAS's worker
-    threads spin on the shared cores (a 512 x 512 Cholesky replicated on 8 fake devices
-    took 100 times as long as one; see ``benchmarks/RESULTS.md``). It takes effect only
-    if scipy's OpenBLAS has not been loaded yet (JAX loads it when its backend starts).
+    fine; creating an array is not). It edits ``os.environ`` with
+    :func:`cpu_environment`: the device count unless one is already set (so a launcher's
+    or user's choice wins), :data:`CPU_SCHEDULER_FLAG`, and one OpenBLAS thread with
+    several fake devices (which takes effect only if scipy's OpenBLAS has not been loaded
+    yet; JAX loads it when its backend starts).
 
     Args:
         n: the number of fake CPU devices; ``None`` sets only the scheduler flag.
@@ -54,15 +94,7 @@ def set_cpu_devices(n: int | None = None) -> None:
             "set_cpu_devices: JAX's backend has already started, so XLA_FLAGS would be ignored; call it first "
             "thing in the program, before any JAX array is created."
         )
-    flags = os.environ.get("XLA_FLAGS", "").split()
-    if n is not None and not any(f.startswith("--xla_force_host_platform_device_count") for f in flags):
-        flags.append(f"--xla_force_host_platform_device_count={int(n)}")
-    if not any(f.startswith(CPU_SCHEDULER_FLAG.split("=")[0]) for f in flags):
-        flags.append(CPU_SCHEDULER_FLAG)
-    os.environ["XLA_FLAGS"] = " ".join(flags)
-    counts = [f.split("=", 1)[1] for f in flags if f.startswith("--xla_force_host_platform_device_count=")]
-    if counts and counts[-1].isdigit() and int(counts[-1]) > 1:
-        os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+    cpu_environment(os.environ, n)
 
 
 def _arrays(tree: Any, where: str) -> list[tuple[str, jax.Array]]:

@@ -28,7 +28,7 @@ import pytest
 
 import shardvmc as sv
 from shardvmc import distributed, launch
-from shardvmc.testing import CPU_SCHEDULER_FLAG
+from shardvmc.testing import CPU_SCHEDULER_FLAG, cpu_environment
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "mp_worker.py"
@@ -45,9 +45,8 @@ _spec.loader.exec_module(mp_worker)
 def _clean_env(devices: int | None = None) -> dict[str, str]:
     """This environment without the test process's device count and launcher variables."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("SHARDVMC_")}
-    env["XLA_FLAGS"] = launch._DEVICE_COUNT_FLAG.sub("", env.get("XLA_FLAGS", "")).strip()
+    cpu_environment(env, devices, replace=True)  # the test process's own count must not leak into the children
     if devices is not None:
-        env["XLA_FLAGS"] = f"{env['XLA_FLAGS']} --xla_force_host_platform_device_count={devices}".strip()
         env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH", "")]))
     return env

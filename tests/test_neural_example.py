@@ -179,7 +179,8 @@ def test_command_line_json_and_plot(neural, quick, tmp_path, capsys):
 def test_script_starts_with_the_flags_set(tmp_path):
     # A subprocess without XLA_FLAGS: the module sets the scheduler flag itself, before JAX starts.
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).strip(os.pathsep)
+    # python examples/neural_vmc.py puts examples/ first on sys.path (its model corpus); runpy does not
+    env["PYTHONPATH"] = os.pathsep.join([str(EXAMPLE.parent), str(ROOT), env.get("PYTHONPATH", "")]).strip(os.pathsep)
     code = (
         f"import os, runpy; module = runpy.run_path({str(EXAMPLE)!r}); "
         "print(os.environ['XLA_FLAGS']); module['parse_args'](['--help'])"
