@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -36,11 +35,11 @@ import folx
 import jax
 import jax.numpy as jnp
 import numpy as np
+import plumbing
 from jax.flatten_util import ravel_pytree
 from jax.sharding import Mesh
 
 import shardvmc as sv
-import shardvmc.testing
 
 EXACT = -2.903724
 """The exact non-relativistic ground-state energy of helium, in Hartree."""
@@ -156,15 +155,13 @@ class Kernels(NamedTuple):
     measure: sv.WalkerParallel
 
 
-@functools.cache
 def make_kernels(batch_size: int | None = None, mesh: Mesh | None = None) -> Kernels:
-    """The three kernels, decorated again with options: the same per-walker functions.
+    """The three kernels with the run's options: the same per-walker functions.
 
     ``batch_size`` bounds the memory of each device; ``mesh=None`` runs on the
     ``sv.use_mesh`` mesh, else on all devices.
     """
-    with_options = sv.walker_parallel(mesh=mesh, batch_size=batch_size)
-    return Kernels(*(with_options(k.__wrapped__) for k in (metropolis_step, refresh, measure)))
+    return Kernels(*(k.with_options(mesh=mesh, batch_size=batch_size) for k in (metropolis_step, refresh, measure)))
 
 
 # --8<-- [end:make_kernels]
@@ -178,51 +175,48 @@ def make_kernels(batch_size: int | None = None, mesh: Mesh | None = None) -> Ker
 # --8<-- [start:step]
 @functools.cache
 def make_step(
-    mesh: Mesh,
-    n_valid: int,
-    batch_size: int | None,
-    sweeps: int,
-    step_size: float,
-    learning_rate: float,
-    max_norm: float,
+    mesh: Mesh, batch_size: int | None, sweeps: int, step_size: float, learning_rate: float, max_norm: float
 ) -> Callable[..., Any]:
     """One jitted VMC step: ``sweeps`` Metropolis moves, a measurement, and an SR update.
 
-    ``step(params, walkers, key, update) -> (params, walkers, [energy, variance, acceptance])``;
-    with ``update`` false the parameters stay. Cached, so runs with the same settings
+    ``step(params, walkers, key, update, energies) -> (params, walkers, energies, [energy,
+    variance, acceptance])``: with ``update`` the parameters change, else they stay and
+    the walkers' local energies are added to ``energies`` (a ``sv.StatsAccumulator``).
+    ``walkers`` is a ``sv.WalkerSet``: the kernels and ``sv.natural_gradient`` read its
+    count, so padding never enters a statistic. Cached, so runs with the same settings
     (another seed, say) reuse the compiled step.
     """
     kernels = make_kernels(batch_size, mesh)
 
-    def sample(params: Params, walker_set: Walker, key: jax.Array) -> tuple[Walker, jax.Array]:
-        def sweep(i: jax.Array, carry: tuple[Walker, jax.Array]) -> tuple[Walker, jax.Array]:
+    def sample(params: Params, walkers: sv.WalkerSet, key: jax.Array) -> tuple[sv.WalkerSet, jax.Array]:
+        def sweep(i: jax.Array, carry: tuple[sv.WalkerSet, jax.Array]) -> tuple[sv.WalkerSet, jax.Array]:
             ws, acc = carry
-            ws, a = kernels.metropolis(params, ws, jax.random.fold_in(key, i), step_size, n_valid=n_valid)
+            ws, a = kernels.metropolis(params, ws, jax.random.fold_in(key, i), step_size)
             return ws, acc + a / sweeps
 
-        return jax.lax.fori_loop(0, sweeps, sweep, (walker_set, jnp.zeros(())))
+        return jax.lax.fori_loop(0, sweeps, sweep, (walkers, jnp.zeros(())))
 
     @jax.jit
-    def step(params: Params, walker_set: Walker, key: jax.Array, update: jax.Array) -> Any:
-        walker_set, acceptance = sample(params, walker_set, key)
-        e, j, e_mean, e2_mean, j_mean = kernels.measure(params, walker_set, n_valid=n_valid)
+    def step(params: Params, walkers: sv.WalkerSet, key: jax.Array, update: jax.Array, energies: Any) -> Any:
+        walkers, acceptance = sample(params, walkers, key)
+        e, j, e_mean, e2_mean, j_mean = kernels.measure(params, walkers)
         # --8<-- [start:sr]
         # SR: delta = (S + damping)^-1 g with S = <j j^T> - <j><j>^T and the energy gradient
         # g = 2 (<j e> - <j><e>). With P = 2 parameters the dense P x P solve is the one to use;
         # its S comes from sv.jtj (one all-reduce), so j is never gathered.
-        natural, _ = sv.natural_gradient(j, e, n_valid=n_valid, damping=1e-4, method="dense", mesh=mesh)
+        natural, _ = sv.natural_gradient(j, e, damping=1e-4, method="dense", mesh=mesh)
         delta = 2.0 * natural
         # Trust region: the step's length in the SR metric, lr^2 delta.S.delta, is at most max_norm
         # (delta.S.delta is the variance of j.delta over the walkers).
-        delta_s_delta = sv.walker_mean(jax.tree.map(lambda x: (x @ delta) ** 2, j), n_valid) - (j_mean @ delta) ** 2
+        delta_s_delta = sv.walker_mean(jax.tree.map(lambda x: (x @ delta) ** 2, j)) - (j_mean @ delta) ** 2
         lr = jnp.minimum(learning_rate, jnp.sqrt(max_norm / delta_s_delta))
         # --8<-- [end:sr]
         flat, unravel = ravel_pytree(params)
         params = unravel(flat - jnp.where(update, lr, 0.0) * delta)
         params = params.replace(beta=jnp.maximum(params.beta, 0.05))  # keep the Jastrow free of poles
-        walker_set = kernels.refresh(params, walker_set, n_valid=n_valid)
-        stats = jnp.stack([e_mean, e2_mean - e_mean**2, acceptance])
-        return params, walker_set, stats
+        walkers = kernels.refresh(params, walkers)
+        energies = jax.lax.cond(update, lambda acc: acc, lambda acc: acc.update(e), energies)
+        return params, walkers, energies, jnp.stack([e_mean, e2_mean - e_mean**2, acceptance])
 
     return step
 
@@ -262,8 +256,8 @@ def run(
             device count (the last ``fold_in`` is ``WalkerKey``'s).
         batch_size: walkers processed at a time per device (``None``: all at once).
         mesh: the devices to run on (default: every device).
-        eval_steps: steps with fixed parameters whose per-step means give the final
-            energy and its error bar, by ``sv.statistics`` (default ``max(steps // 2, 32)``).
+        eval_steps: steps with fixed parameters whose local energies give the final
+            energy and its error bar (default ``max(steps // 2, 32)``).
         sweeps: Metropolis moves between measurements.
         step_size: Metropolis proposal width (bohr).
         learning_rate: SR step.
@@ -277,52 +271,50 @@ def run(
             statistically (~1e-2 Ha). In float64 they agree to ~1e-12.
 
     Returns:
-        A summary dict: ``energy``, ``error``, ``variance``, ``acceptance``,
-        ``parameters``, ``devices``, ``walkers``, ``seconds``, and the per-step
-        ``energies`` of the optimisation and of the evaluation.
+        A summary dict: ``energy``, ``error``, ``tau_corr``, ``R_hat``, ``variance``,
+        ``acceptance``, ``parameters``, ``devices``, ``walkers``, ``seconds``, and the
+        per-step ``energies`` of the optimisation and of the evaluation.
     """
     start = time.perf_counter()
     mesh = sv.create_mesh() if mesh is None else mesh
     eval_steps = max(steps // 2, 32) if eval_steps is None else eval_steps
     total = steps + eval_steps
     print_every = max(total // 10, 1) if print_every is None else print_every
-    kernels = make_kernels(batch_size, mesh)
     root = jax.random.key(seed)
 
     with jax.enable_x64(x64), sv.use_mesh(mesh):
+        # A WalkerSet: `walkers` real walkers, padded to the device count; every kernel reads the count.
         walker_set = sv.initialize_walkers_sharded(init_walker, walkers, key=jax.random.fold_in(root, 0))
-        n_valid = walkers  # the first `walkers` are real, the rest is padding the kernels mask out
         params = sv.replicate(Params(alpha=jnp.asarray(1.6875), beta=jnp.asarray(1.0)))
         sv.distributed.check_consistent(params)  # every process starts from the same parameters
-        walker_set = kernels.refresh(params, walker_set, n_valid=n_valid)
+        walker_set = make_kernels(batch_size, mesh).refresh(params, walker_set)
+        step = make_step(mesh, batch_size, sweeps, step_size, learning_rate, max_norm)
 
-        step = make_step(mesh, n_valid, batch_size, sweeps, step_size, learning_rate, max_norm)
-
+        # Every walker's local energy in the evaluation steps, accumulated on its device.
+        energies = sv.StatsAccumulator.create(sv.WalkerSet(walker_set.data.log_psi, walker_set.n_valid))
         history = []
         for t in range(total):
             optimising = t < steps
-            key = jax.random.fold_in(root, t + 1)
-            params, walker_set, stats = step(params, walker_set, key, jnp.asarray(optimising))
+            params, walker_set, energies, stats = step(params, walker_set, jax.random.fold_in(root, t + 1),
+                                                       jnp.asarray(optimising), energies)  # fmt: skip
             history.append(stats)
             if print_every and (t == 0 or (t + 1) % print_every == 0 or t + 1 == total):
                 energy, variance, acceptance = (float(v) for v in stats)
-                phase = "opt " if optimising else "eval"
                 printer(
-                    f"{phase} step {t + 1:4d}  E = {energy:+.5f} +- {np.sqrt(variance / n_valid):.5f}  "
+                    f"{'opt ' if optimising else 'eval'} step {t + 1:4d}  E = {energy:+.5f}  "
                     f"var = {variance:.4f}  acc = {acceptance:.3f}"
                 )
 
         history = np.asarray(jax.device_get(jnp.stack(history)), dtype=np.float64)
         final = history[steps:] if eval_steps else history[-1:]
-        # The per-step means over all walkers: one chain, whose error bar accounts for its autocorrelation
-        # (a few numbers, on a local device).
-        stats = sv.statistics(final[None, :, 0], mesh=sv.create_mesh(jax.local_devices()[:1]))
-        energy, error = float(stats.mean), float(stats.error_of_mean)
-        flat = ravel_pytree(params)[0]
-        alpha, beta = (float(v) for v in flat)
+        # Over walkers and steps: the error bar accounts for the autocorrelation along each walker's chain.
+        estimate = energies.statistics() if eval_steps else None
+        alpha, beta = (float(v) for v in ravel_pytree(params)[0])
     return {
-        "energy": energy,
-        "error": error,
+        "energy": float(estimate.mean) if estimate else float(final[-1, 0]),
+        "error": float(estimate.error_of_mean) if estimate else None,
+        "tau_corr": float(estimate.tau_corr) if estimate else None,
+        "R_hat": float(estimate.R_hat) if estimate else None,
         "variance": float(final[:, 1].mean()),
         "acceptance": float(final[:, 2].mean()),
         "parameters": {"alpha": alpha, "beta": beta},
@@ -334,7 +326,7 @@ def run(
         "eval_steps": eval_steps,
         "seed": seed,
         "batch_size": batch_size,
-        "dtype": str(flat.dtype),
+        "dtype": "float64" if x64 else "float32",
         "seconds": time.perf_counter() - start,
         "energies": history[:, 0].tolist(),
         "exact": EXACT,
@@ -358,18 +350,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--walkers", type=int, default=16000, help="number of walkers (any count)")
     p.add_argument("--steps", type=int, default=200, help="optimisation steps")
     p.add_argument("--eval-steps", type=int, default=None, help="evaluation steps (default: max(steps/2, 32))")
-    p.add_argument(
-        "--devices",
-        type=int,
-        default=8,
-        help="CPU devices to run on when there is no accelerator: created as fake devices, unless\n"
-        "XLA_FLAGS already sets a count (then the first N of those); ignored on accelerators\n"
-        "and under `python -m shardvmc.launch` (every device of every process)",
-    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batch-size", type=int, default=None, help="walkers per device processed at a time")
-    p.add_argument("--json", metavar="PATH", default=None, help="write a JSON summary here")
     p.add_argument("--float32", action="store_true", help="compute in float32 (device counts then agree statistically)")
+    plumbing.add_arguments(p, checkpoints=False)
     return p.parse_args(argv)
 
 
@@ -377,36 +361,28 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Run the example from the command line; returns the summary."""
     # --8<-- [start:main]
     args = parse_args(argv)
-    # n fake CPU devices (unless XLA_FLAGS sets a count) and the workaround of an XLA CPU deadlock on larger
-    # programs; before JAX starts its backend (importing jax does not start it).
-    sv.testing.set_cpu_devices(args.devices)
-    if sv.distributed.is_launched():  # started by `python -m shardvmc.launch`: join the other processes
-        sv.distributed.initialize()
+    # `--devices` fake CPU devices without an accelerator (and XLA's CPU deadlock workaround), before JAX
+    # starts its backend; under `python -m shardvmc.launch` it joins the other processes first.
+    mesh = plumbing.start(args.devices)
+    lead = plumbing.is_lead()  # only process 0 prints and writes
     # --8<-- [end:main]
-    devices = jax.devices()
-    if devices[0].platform == "cpu" and jax.process_count() == 1:
-        devices = devices[: args.devices]
-    lead = jax.process_index() == 0
-    summary = run(
-        args.walkers,
-        args.steps,
-        args.seed,
-        args.batch_size,
-        mesh=sv.create_mesh(devices),
-        eval_steps=args.eval_steps,
-        printer=print if lead else (lambda *_: None),
-        x64=not args.float32,
-    )
+    printer = print if lead else (lambda *_: None)
+    summary = run(args.walkers, args.steps, args.seed, args.batch_size, mesh=mesh, eval_steps=args.eval_steps,
+                  print_every=args.print_every, printer=printer, x64=not args.float32)  # fmt: skip
     if lead:
+        s = summary
         print(
-            f"{summary['walkers']} walkers on {summary['devices']} {summary['platform']} devices, "
-            f"alpha = {summary['parameters']['alpha']:.4f}, beta = {summary['parameters']['beta']:.4f}, "
-            f"{summary['seconds']:.1f} s"
+            f"{s['walkers']} walkers on {s['devices']} {s['platform']} devices, alpha = {s['parameters']['alpha']:.4f},"
+            f" beta = {s['parameters']['beta']:.4f}, {s['seconds']:.1f} s"
         )
-        print(f"E = {summary['energy']:.5f} +- {summary['error']:.5f} Ha (exact {EXACT})")
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(summary, f, indent=2)
+        if s["error"] is None:
+            print(f"E = {s['energy']:.5f} Ha at the last step (no evaluation steps: no error bar; exact {EXACT})")
+        else:
+            print(f"E = {s['energy']:.5f} +- {s['error']:.5f} Ha (exact {EXACT}), autocorrelation {s['tau_corr']:.1f} "
+                  f"steps, R_hat {s['R_hat']:.3f}")  # fmt: skip
+    plumbing.write_json(args.json, summary)
+    if args.plot and lead:
+        plumbing.plot(args.plot, summary["energies"], exact=EXACT, hf=HARTREE_FOCK, title="He", phases=args.steps)
     return summary
 
 

@@ -297,12 +297,23 @@ class Optimizer:
                 global_step_int=self._trace_step,
             )
         new_state, stats = out[1], out[-1]
+        if "aux" in stats:
+            # The loss's per-walker values (FermiNet's aux local energies) differ between devices; gathered in
+            # walker order they are the same everywhere, as a replicated result must be (pmap gives one row per
+            # device instead).
+            stats["aux"] = jax.tree_util.tree_map(self._gather_per_walker, stats["aux"])
         new_state.estimator_state = _kfac_compat.sync_estimator(self._kfac, new_state.estimator_state, self._axis)
         n_walkers = self._block_size * self._size
         new_state.data_seen = data_seen + n_walkers
         stats["data_seen"] = new_state.data_seen
         stats["batch_size"] = jnp.asarray(n_walkers, jnp.int32)
         return out
+
+    def _gather_per_walker(self, x: Any) -> Any:
+        """``x`` for all walkers when it holds one entry per walker of the block, else as it is."""
+        if isinstance(x, jax.Array) and x.ndim >= 1 and x.shape[0] == self._block_size:
+            return jax.lax.all_gather(x, self._axis, tiled=True)
+        return x
 
     # ------------------------------------------------------------------ the public steps
 

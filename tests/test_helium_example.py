@@ -46,7 +46,9 @@ def runs(helium):
 def test_energy_shows_correlation(helium, runs):
     out = runs["8dev"]
     assert out["devices"] == 8 and out["walkers"] == 301 and out["dtype"] == "float64"
-    assert 0 < out["error"] < 0.01
+    assert 0 < out["error"] < 0.01 and out["tau_corr"] > 0 and 0.9 < out["R_hat"] < 1.1
+    # The estimate is over every walker and evaluation step: its mean is that of the per-step means.
+    assert out["energy"] == pytest.approx(np.mean(out["energies"][SMALL["steps"] :]), rel=1e-12, abs=0)
     # Below Hartree-Fock by many error bars: the Jastrow factor's correlation energy shows,
     assert out["energy"] + 4 * out["error"] < helium.HARTREE_FOCK
     # and consistent with the variational optimum of this trial function.
@@ -87,8 +89,9 @@ def test_a_step_communicates_only_reduced_statistics(helium):
     with jax.enable_x64(True), sv.use_mesh(mesh):
         walkers = sv.initialize_walkers_sharded(helium.init_walker, SMALL["walkers"], key=jax.random.key(0))
         params = sv.replicate(helium.Params(alpha=jax.numpy.asarray(1.7), beta=jax.numpy.asarray(0.3)))
-        step = helium.make_step(mesh, SMALL["walkers"], None, 10, 0.5, 0.2, 1e-3)
-        hlo = step.lower(params, walkers, jax.random.key(1), jax.numpy.asarray(True)).compile().as_text()
+        step = helium.make_step(mesh, None, 10, 0.5, 0.2, 1e-3)
+        energies = sv.StatsAccumulator.create(sv.WalkerSet(walkers.data.log_psi, walkers.n_valid))
+        hlo = step.lower(params, walkers, jax.random.key(1), jax.numpy.asarray(True), energies).compile().as_text()
     for collective in ("all-gather", "all-to-all", "collective-permute", "reduce-scatter"):
         assert collective not in hlo
     reduced = re.findall(r"= (\(.*?\)|\S+) all-reduce(?:-start)?\(", hlo)
@@ -119,11 +122,12 @@ def test_command_line_writes_json(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.strip().splitlines()
-    assert re.fullmatch(r"E = -2\.\d{5} \+- 0\.\d{5} Ha \(exact -2\.903724\)", lines[-1]), lines[-1]
+    estimate = r"E = -2\.\d{5} \+- 0\.\d{5} Ha \(exact -2\.903724\), autocorrelation \d+\.\d steps, R_hat \d\.\d{3}"
+    assert re.fullmatch(estimate, lines[-1]), lines[-1]
     progress = [line for line in lines if re.match(r"(opt |eval) step +\d+ +E = ", line)]
     assert len(progress) >= 5 and "acc = " in progress[0] and "var = " in progress[0]
     summary = json.loads(path.read_text())
-    expected = {"energy", "error", "variance", "acceptance", "parameters", "devices", "seconds"}
+    expected = {"energy", "error", "tau_corr", "R_hat", "variance", "acceptance", "parameters", "devices", "seconds"}
     assert expected <= set(summary)
     assert summary["devices"] == 3 and summary["walkers"] == 101 and summary["seed"] == 4
     assert set(summary["parameters"]) == {"alpha", "beta"}

@@ -75,7 +75,10 @@ def _keys(t):
 
 
 def pmap_steps(n, params, walkers, loss, settings=KFAC, steps=STEPS):
-    """FermiNet's own step: kfac-jax's pmap over the first n devices; device i's key is fold_in(key, i)."""
+    """FermiNet's own step: kfac-jax's pmap over the first n devices; device i's key is fold_in(key, i).
+
+    Returns the per-step results, the last state and the last step's per-walker local energies.
+    """
     opt = kfac_jax.Optimizer(loss, multi_device=True, **settings)
     rep = lambda x: jnp.broadcast_to(x, (n, *jnp.shape(x)))  # noqa: E731
     p = jax.tree.map(rep, params)
@@ -86,7 +89,7 @@ def pmap_steps(n, params, walkers, loss, settings=KFAC, steps=STEPS):
         keys = jax.vmap(lambda i, t=t: jax.random.fold_in(_keys(t), i))(jnp.arange(n))
         p, state, stats = opt.step(p, state, keys, batch=blocks, momentum=rep(0.0), damping=rep(DAMPING))
         out.append(jax.tree.map(lambda x: np.asarray(x[0]), (p, stats["loss"], stats["aux"]["variance"])))
-    return out, state
+    return out, state, np.asarray(stats["aux"]["local_energy"]).reshape(-1)  # (devices, block): walker order
 
 
 @pytest.fixture(scope="module", params=(1, 3, 8), ids=lambda n: f"{n}dev")
@@ -96,7 +99,7 @@ def runs(request):
     settings = dict(KFAC, inverse_update_period=2) if n == 3 else KFAC
     with jax.enable_x64(True):
         params, walkers, loss = _problem()
-        reference, pmap_state = pmap_steps(n, params, walkers, loss, settings)
+        reference, pmap_state, pmap_local = pmap_steps(n, params, walkers, loss, settings)
         mesh = sv.create_mesh(jax.devices()[:n])
         opt = svk.Optimizer(loss, mesh=mesh, **settings)
         state0 = opt.init(params, _keys(10**6), sv.shard_walker(walkers, mesh))
@@ -106,7 +109,8 @@ def runs(request):
             first = first or (p, state, stats)
             out.append(jax.tree.map(np.asarray, (p, stats["loss"], stats["aux"]["variance"])))
     return {"n": n, "reference": reference, "ours": out, "opt": opt, "params": params, "walkers": walkers,
-            "state0": state0, "first": first, "last": (p, state, stats), "pmap_state": pmap_state}  # fmt: skip
+            "state0": state0, "first": first, "last": (p, state, stats), "pmap_state": pmap_state,
+            "pmap_local": pmap_local}  # fmt: skip
 
 
 def _max_diff(a, b):
@@ -123,6 +127,15 @@ def test_step_equals_ferminets_pmap_step(runs):
         assert _max_diff(ref[0], ours[0]) <= 1e-9 * update, f"step {t}: parameters"
         assert abs(ref[1] - ours[1]) <= 1e-10 * abs(ref[1]), f"step {t}: loss"
         assert abs(ref[2] - ours[2]) <= 1e-9 * abs(ref[2]), f"step {t}: variance"
+
+
+def test_per_walker_aux_values_come_back_for_every_walker(runs):
+    # FermiNet's loss returns each walker's local energy in its aux; pmap gives one row per device, the
+    # replicated result holds all of them in walker order.
+    _, _, stats = runs["last"]
+    local = np.asarray(stats["aux"]["local_energy"])
+    assert local.shape == (N,)
+    np.testing.assert_allclose(local, runs["pmap_local"], rtol=1e-9)
 
 
 def test_results_are_replicated_on_the_mesh_and_count_its_walkers(runs):

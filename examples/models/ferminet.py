@@ -11,6 +11,8 @@ electron-electron cusp uses a range parameter found by a ``while_loop`` fixed po
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 
@@ -68,12 +70,17 @@ def spin_masks(system: System, dtype: jnp.dtype) -> tuple[jax.Array, jax.Array]:
     )
 
 
-def jastrow(params: dict, r_ee: jax.Array, system: System) -> jax.Array:
-    """``sum_{i<j} a_ij r_ij / (1 + b r_ij)`` with the cusp ``a`` = 1/4 (same spin) or 1/2 (opposite)."""
+def jastrow(params: dict, r_ee: jax.Array, system: System, sqrt: Callable = babylonian_sqrt) -> jax.Array:
+    """``sum_{i<j} a_ij r_ij / (1 + b r_ij)`` with the cusp ``a`` = 1/4 (same spin) or 1/2 (opposite).
+
+    ``b = sqrt(beta^2 + 1)``; ``sqrt`` is a fixed-point iteration by default (a
+    ``custom_vjp`` in the corpus), ``jnp.sqrt`` where forward-mode derivatives in the
+    parameters are needed (kfac-jax).
+    """
     n = system.n_electrons
     up = jnp.arange(n) < system.n_up
     cusp = jnp.where(up[:, None] == up[None, :], 0.25, 0.5)
-    b = babylonian_sqrt(params["beta"] ** 2 + 1.0)
+    b = sqrt(params["beta"] ** 2 + 1.0)
     pairs = jnp.triu(jnp.ones((n, n), r_ee.dtype), k=1)
     return jnp.sum(pairs * cusp * r_ee / (1.0 + b * r_ee))
 

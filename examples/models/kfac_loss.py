@@ -12,7 +12,8 @@ The network reuses the corpus FermiNet's equivariant streams (``ferminet.feature
 its head differs from ``orbitals.determinant_head`` only where forward-mode
 differentiation with respect to the parameters needs it (kfac-jax takes jvps): the
 envelope exponent is ``abs(sigma)``, not the corpus's ``custom_vjp`` ``positive``, and
-there is no Jastrow (its range comes from a ``custom_vjp`` fixed point).
+the optional Jastrow (``init(..., jastrow=True)``) takes its range ``sqrt(beta^2 + 1)`` in
+closed form, not from the corpus's ``custom_vjp`` fixed point.
 """
 
 from __future__ import annotations
@@ -31,16 +32,17 @@ from .systems import System
 AXIS = "qmc_pmap_axis"
 
 
-def init(key: jax.Array, system: System, **sizes: Any) -> dict:
-    """The corpus FermiNet's parameters without the Jastrow."""
+def init(key: jax.Array, system: System, *, jastrow: bool = False, **sizes: Any) -> dict:
+    """The corpus FermiNet's parameters, with its cusp Jastrow or (the default) without."""
     params = ferminet.init(key, system, **sizes)
-    del params["jastrow"]
+    if not jastrow:
+        del params["jastrow"]
     return params
 
 
 def log_psi(params: dict, r: jax.Array, system: System) -> jax.Array:
-    """``log|psi|`` of one walker: K determinants of orbitals times ``exp(-|sigma| r_ae)`` envelopes."""
-    h, r_ae, _ = ferminet.features(params, r, system)
+    """``log|psi|`` of one walker: K determinants of orbitals times ``exp(-|sigma| r_ae)`` envelopes (and a Jastrow)."""
+    h, r_ae, r_ee = ferminet.features(params, r, system)
     head = params["head"]
     k = head["det_weights"].shape[0]
     signs = jnp.ones((k,), r.dtype)
@@ -54,7 +56,10 @@ def log_psi(params: dict, r: jax.Array, system: System) -> jax.Array:
         phi = ((hs @ q["w"] + q["b"]) * env).reshape(n_s, k, n_s).transpose(1, 0, 2)
         s, ld = jnp.linalg.slogdet(phi)
         signs, logdets = signs * s, logdets + ld
-    return orbitals.log_sum_dets(signs, logdets, head["det_weights"])[1]
+    out = orbitals.log_sum_dets(signs, logdets, head["det_weights"])[1]
+    if "jastrow" in params:
+        out = out + ferminet.jastrow(params["jastrow"], r_ee, system, sqrt=jnp.sqrt)
+    return out
 
 
 # --8<-- [start:loss]
