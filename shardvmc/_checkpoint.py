@@ -34,13 +34,14 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.core import Tracer
 from jax.sharding import Mesh
 
 from . import _compat
 from ._errors import CallError, message
 from ._mesh import get_walker_sharding, resolve_mesh
-from ._placement import leading_size, pad_n_walkers, replicate
-from ._walkerset import WalkerSet, check_n_valid, split_walker_set
+from ._placement import pad_n_walkers, replicate
+from ._walkerset import WalkerSet, check_n_valid, split_walker_set, walker_count
 
 __all__ = ["Checkpoint", "RESIZED", "load_walkers", "save_walkers"]
 
@@ -281,8 +282,8 @@ def save_walkers(
     """
     where = "save_walkers"
     data, set_count = split_walker_set(tree)
-    n = leading_size(data, where, "tree")
-    if set_count is not None and n_valid is not None and not isinstance(n_valid, jax.core.Tracer):
+    n = walker_count(data, where, "tree")
+    if set_count is not None and n_valid is not None and not isinstance(n_valid, Tracer):
         if int(n_valid) != set_count:
             raise CallError(
                 message(
@@ -418,7 +419,7 @@ def _write_atomic(target: Path, arrays: dict[str, np.ndarray]) -> None:
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # 0o666: the umask applies
     try:
         with os.fdopen(fd, "wb") as f:
-            np.savez(f, **arrays)
+            np.savez(f, allow_pickle=False, **arrays)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, target)
@@ -466,7 +467,8 @@ def _open_npz(path: Path) -> Any:
     if not isinstance(data, np.lib.npyio.NpzFile):
         file.close()
         raise _corrupt(path, "is a single .npy array, not a shardvmc checkpoint.")
-    data.fid = file  # data.close() closes the file too
+    # data.close() closes the file too. numpy's stub types fid as IO[str] (it is the binary file np.load read).
+    data.fid = file  # pyright: ignore[reportAttributeAccessIssue]
     return data
 
 
@@ -584,7 +586,11 @@ class _Reader:
             archive.close()
 
     def _entry(self, part: str | None, i: int) -> np.ndarray:
-        file = self.path if part is None else self.directory / part  # type: ignore[operator]
+        if part is None:
+            file = self.path
+        else:
+            assert self.directory is not None  # only a manifest names part files, and it has their directory
+            file = self.directory / part
         try:
             if part not in self.archives:
                 self.archives[part] = _open_npz(file)
@@ -645,7 +651,9 @@ class _Reader:
             trailing, stored = tuple(entry["shape"][1:]), dtype
         shape = (len(source), *trailing)
 
-        def rows(index: tuple[slice, ...]) -> np.ndarray:
+        def rows(index: tuple[slice, ...] | None) -> np.ndarray:
+            if index is None:  # JAX's type allows no index: the whole array
+                index = (slice(None),)
             wanted = source[index[0]]
             which = np.searchsorted(starts, wanted, side="right") - 1
             out = np.empty((len(wanted), *trailing), stored)

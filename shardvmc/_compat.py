@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-from jax.sharding import Mesh
+from jax.sharding import AbstractMesh, Mesh
 
 __all__ = [
     "CHECK_VMA",
@@ -56,11 +56,10 @@ def axis_size(mesh: Mesh, axis_name: str | tuple[str, ...]) -> int:
     return size
 
 
-def has_explicit_axes(mesh: Mesh, axes: tuple[str, ...]) -> bool:
+def has_explicit_axes(mesh: Mesh | AbstractMesh, axes: tuple[str, ...]) -> bool:
     """Whether any of ``axes`` is an Explicit axis of ``mesh`` (``jax.make_mesh``'s default)."""
-    explicit = getattr(jax.sharding.AxisType, "Explicit", None)
-    types = dict(zip(mesh.axis_names, getattr(mesh, "axis_types", ())))
-    return explicit is not None and any(types.get(a) == explicit for a in axes)
+    types = dict(zip(mesh.axis_names, mesh.axis_types))
+    return any(types.get(a) == jax.sharding.AxisType.Explicit for a in axes)
 
 
 def constrain(tree: Any, sharding: jax.sharding.NamedSharding) -> Any:

@@ -12,6 +12,7 @@ from typing import Any, overload
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.core import Tracer
 from jax.sharding import Mesh
 
 from . import _compat
@@ -22,14 +23,13 @@ from ._kernel import (
     check_inputs,
     concrete_argument_error,
     inside_kernel,
-    leading_count,
     partition,
     raised_in_body,
 )
 from ._markers import Kind, Layout, missing_markers_error, parse
 from ._mesh import resolve_mesh
 from ._plan import KernelSpec, Plan, PlanKey, auto_signature, make_plan
-from ._walkerset import WalkerSet, check_n_valid, split_walker_set
+from ._walkerset import WalkerSet, check_n_valid, first_count, split_walker_set
 
 __all__ = ["WalkerParallel", "replicated_args", "walker_parallel"]
 
@@ -84,7 +84,8 @@ class WalkerParallel:
         self._spec = KernelSpec.of(fn, layout, options, self._qualname)
         self._no_parts: tuple[None, ...] = (None,) * len(self._spec.dyn_idx)
         self._auto = options.batch_size == "auto"
-        # Without a missing marker, a call with every argument positional skips Signature.bind: the common case.
+        # A call with every argument positional skips Signature.bind (the common case). -1 matches no call: with a
+        # missing marker every call goes through _arguments, which reports it.
         self._n_params = -1 if self._missing else len(layout.signature.parameters)
         outputs = layout.output if isinstance(layout.output, tuple) else (layout.output,)
         if Kind.REPLICATED in outputs and not options.batched:
@@ -125,10 +126,8 @@ class WalkerParallel:
             raise TypeError(f"{self._qualname}.with_options: unknown options {sorted(unknown)}.")
         current.update(options)
         mesh = current.pop("mesh")
-        return walker_parallel(
-            _ReplicatedFn(self.__wrapped__, self._replicated) if self._replicated else self.__wrapped__,
-            mesh=mesh,
-            **current,
+        return walker_parallel(mesh=mesh, **current)(
+            _ReplicatedFn(self.__wrapped__, self._replicated) if self._replicated else self.__wrapped__
         )
 
     def _arguments(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
@@ -159,11 +158,9 @@ class WalkerParallel:
             if not _is_leaf_type(dyn[j]):  # a pytree, a model container: split off its non-arrays
                 dyn, parts = self._partition(dyn)
                 break
-        n = None
-        if spec.walker_idx:
-            first = dyn[spec.walker_idx[0]]
-            shape = getattr(first, "shape", None)  # one array: one attribute lookup
-            n = int(shape[0]) if shape else leading_count(first)
+        # The unchecked count keys the plan; the trace-time checks (checks=True) say whether every PerWalker leaf
+        # agrees with it.
+        n = first_count(dyn[spec.walker_idx[0]]) if spec.walker_idx else None
         if n is None:
             n = check_inputs(spec.qualname, spec.layout, dyn, spec.dyn_params)
         # A WalkerSet's count is part of its pytree structure: compiled in. An explicit n_valid= is data: one
@@ -175,7 +172,7 @@ class WalkerParallel:
         elif n_valid is not None:
             check_n_valid(self._qualname, n_valid, n)
             key_count = TRACED
-            if not isinstance(n_valid, jax.core.Tracer):
+            if not isinstance(n_valid, Tracer):
                 n_valid = np.int32(n_valid)
         mesh = self._mesh
         if mesh is None or mesh is not self._checked_mesh:
@@ -220,7 +217,7 @@ class WalkerParallel:
             dyn = (*dyn[:j], data, *dyn[j + 1 :])
         if count is None:
             return dyn, n_valid, None
-        if n_valid is not None and (isinstance(n_valid, jax.core.Tracer) or int(n_valid) != count):
+        if n_valid is not None and (isinstance(n_valid, Tracer) or int(n_valid) != count):
             raise CallError(
                 message(
                     self._qualname,

@@ -19,10 +19,11 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
+from jax.core import Tracer
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from . import _compat
-from ._errors import message
+from ._errors import CallError, message
 from ._kernel import spec as spec_of
 from ._markers import Kind
 from ._memory import compiled_memory, format_bytes
@@ -347,8 +348,17 @@ def explain(
     with jax.set_mesh(mesh) if _compat.context_mesh_differs(mesh) else contextlib.nullcontext():
         compiled = lowered.compile()
     spec = plan.spec
-    size, n, n_pad = plan.n_devices, plan.n_walkers, plan.n_padded
-    collectives = count_collectives(compiled.as_text())
+    size, n, n_pad = plan.n_shards, plan.n_walkers, plan.n_padded
+    text = compiled.as_text()
+    if text is None:  # JAX allows a backend to keep the compiled program's text to itself
+        raise CallError(
+            message(
+                f"{spec.qualname}.explain",
+                "the backend gives no text of the compiled program, so its collectives cannot be counted.",
+                fix="explain the kernel on a CPU or GPU mesh of the same shape.",
+            )
+        )
+    collectives = count_collectives(text)
     unexpected = {k: v for k, v in collectives.items() if k in _UNASKED}
     cause, fix = _cause(plan, mesh, dyn, n, size) if unexpected else (None, None)
     memory = compiled_memory(compiled)
@@ -363,7 +373,7 @@ def explain(
         n_walkers=n,
         n_padded=n_pad,
         pads_inside=n != n_pad,
-        n_valid=plan.n_valid if n_valid is None or isinstance(n_valid, jax.core.Tracer) else int(n_valid),
+        n_valid=plan.n_valid if n_valid is None or isinstance(n_valid, Tracer) else int(n_valid),
         walkers_per_device=n_pad // size,
         batched=spec.options.batched,
         batch_size=plan.batch_size,

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import chex
 import folx
 import jax
 import jax.numpy as jnp
+from jax.core import Tracer
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from . import _compat
@@ -26,6 +27,7 @@ from ._errors import CallError, describe, message
 from ._markers import Kind, Layout, Param
 from ._placement import pad_n_walkers, pad_walker
 from ._stats import Body, body_context, current_body, local_indices, masked, mean_of, psum_tree, row_sum
+from ._walkerset import common_count
 
 __all__ = [
     "BODY_NOTE",
@@ -38,7 +40,6 @@ __all__ = [
     "combine",
     "concrete_argument_error",
     "inside_kernel",
-    "leading_count",
     "output_shardings",
     "partition",
     "raised_in_body",
@@ -100,7 +101,7 @@ _SCALARS = (int, float, complex, bool)
 
 def _is_array(leaf: Any) -> bool:
     """Whether JAX can trace ``leaf`` (the equinox filter convention, Python numbers included)."""
-    return isinstance(leaf, (jax.Array, jax.core.Tracer, _SCALARS)) or hasattr(leaf, "__array__")
+    return isinstance(leaf, (jax.Array, Tracer, _SCALARS)) or hasattr(leaf, "__array__")
 
 
 def partition(tree: Any) -> tuple[Any, tuple[Any, tuple[Any, ...]] | None]:
@@ -134,39 +135,36 @@ def combine(dynamic: Any, part: tuple[Any, tuple[Any, ...]] | None) -> Any:
 # Checks
 
 
-def check_inputs(qualname: str, layout: Layout, dyn: tuple[Any, ...], params: tuple[Any, ...]) -> int:
+def check_inputs(qualname: str, layout: Layout, dyn: tuple[Any, ...], params: tuple[Param, ...]) -> int:
     """Trace-time checks of the inputs; returns the walker count."""
-    first: tuple[str, str, int] | None = None
-    for p, arg in zip(params, dyn):
-        for path, leaf in jax.tree_util.tree_flatten_with_path(arg)[0]:
-            if p.kind is Kind.KEY:
-                _check_key(qualname, p.name, leaf)
-            if p.kind is not Kind.PER_WALKER:
-                continue
-            shape = jnp.shape(leaf)
-            if not shape:
-                raise CallError(
-                    message(
-                        qualname,
-                        f"PerWalker parameter {p.name!r}{jax.tree_util.keystr(path)} is a scalar (no walker axis).",
-                        got=f"shape {shape}",
-                        fix="give it a leading walker axis (a Python list is a pytree of scalars: convert it with "
-                        "jnp.asarray), or mark the parameter Replicated.",
+
+    def per_walker_shapes() -> Iterator[tuple[str, tuple[int, ...]]]:
+        for p, arg in zip(params, dyn):
+            for path, leaf in jax.tree_util.tree_flatten_with_path(arg)[0]:
+                if p.kind is Kind.KEY:
+                    _check_key(qualname, p.name, leaf)
+                if p.kind is not Kind.PER_WALKER:
+                    continue
+                shape = jnp.shape(leaf)
+                if not shape:
+                    raise CallError(
+                        message(
+                            qualname,
+                            f"PerWalker parameter {p.name!r}{jax.tree_util.keystr(path)} is a scalar (no walker axis).",
+                            got=f"shape {shape}",
+                            fix="give it a leading walker axis (a Python list is a pytree of scalars: convert it "
+                            "with jnp.asarray), or mark the parameter Replicated.",
+                        )
                     )
-                )
-            where = f"{p.name!r}{jax.tree_util.keystr(path)}"
-            if first is None:
-                first = (where, p.name, shape[0])
-            elif shape[0] != first[2]:
-                raise CallError(
-                    message(
-                        qualname,
-                        f"PerWalker arguments {first[0]} and {where} have different walker counts.",
-                        got=f"{first[0]} has {first[2]} walkers (leading axis), {where} has {shape[0]}",
-                        expected="one leading walker size for every PerWalker leaf",
-                        fix="pass the same walkers to every PerWalker parameter, walker axis first.",
-                    )
-                )
+                yield f"{p.name!r}{jax.tree_util.keystr(path)}", shape
+
+    first = common_count(
+        per_walker_shapes(),
+        qualname,
+        lambda a, b: f"PerWalker arguments {a} and {b} have different walker counts.",
+        expected="one leading walker size for every PerWalker leaf",
+        fix="pass the same walkers to every PerWalker parameter, walker axis first.",
+    )
     if first is None:
         raise CallError(
             message(
@@ -175,11 +173,11 @@ def check_inputs(qualname: str, layout: Layout, dyn: tuple[Any, ...], params: tu
                 fix="mark at least one parameter PerWalker[...].",
             )
         )
-    if first[2] == 0:
+    if first[1] == 0:
         raise CallError(
             message(qualname, f"PerWalker argument {first[0]} holds zero walkers.", fix="pass at least one walker.")
         )
-    return int(first[2])
+    return first[1]
 
 
 def _check_outputs(qualname: str, out: Any) -> None:
@@ -211,7 +209,7 @@ def concrete_argument_error(
     devices = set(mesh.devices.flat)
     for p, arg in zip(params, dyn):
         for path, leaf in jax.tree_util.tree_flatten_with_path(arg)[0]:
-            if isinstance(leaf, jax.core.Tracer):
+            if isinstance(leaf, Tracer):
                 continue
             where = f"{p.kind.value} parameter {p.name!r}{jax.tree_util.keystr(path)}"
             try:
@@ -280,7 +278,7 @@ def _check_key(qualname: str, name: str, key: Any) -> None:
         message(
             qualname,
             f"WalkerKey parameter {name!r} is not a single PRNG key.",
-            got=f"{key.dtype}{list(key.shape)}",
+            got=describe(key),
             expected="one key: jax.random.key(seed) (typed, shape ()) or jax.random.PRNGKey(seed) (uint32[2])",
             fix="pass ONE key; shardvmc derives walker i's key as fold_in(key, i).",
         )
@@ -348,6 +346,8 @@ def _map(
 
         return block
     if options.batch_size:
+        # batch_size="auto" is resolved to a chunk by the plan before the engine builds.
+        assert isinstance(options.batch_size, int)
 
         def chunk(*dyn: Any) -> Any:
             with body_context(Body("chunk", axes, None, count)):
@@ -517,7 +517,7 @@ def build(
         indices = local_indices(axes, n_local)
         count_now = count_arg if traced else valid
         mask = indices < count_now if masked_call else None  # None: no padding, nothing to mask (and no copy)
-        if foreign_padding:
+        if foreign_padding and mask is not None:  # foreign padding is masked: valid < n <= n_pad
             dyn = _harmless(dyn, kinds, mask, True if every_device_real else indices[0] < count_now)
         dyn = tuple(_walker_keys(a, indices) if k is Kind.KEY else a for a, k in zip(dyn, kinds))
         out = _map(call, in_axes, options, count_now, axes)(mask, *dyn)
@@ -624,15 +624,3 @@ def signature_of(dyn: tuple[Any, ...]) -> tuple[Any, ...]:
     """The abstract signature (structure, shapes, dtypes) of a kernel's dynamic arguments."""
     leaves, tree = jax.tree_util.tree_flatten(dyn)
     return (tree, tuple((jnp.shape(x), getattr(x, "dtype", type(x))) for x in leaves))
-
-
-def leading_count(arg: Any) -> int | None:
-    """Leading size of the first leaf of a PerWalker argument, unchecked (``None``: no axis).
-
-    On the per-call path: an argument that is one array costs one attribute lookup.
-    """
-    shape = getattr(arg, "shape", None)
-    if shape is None:
-        leaves = jax.tree_util.tree_leaves(arg)
-        shape = getattr(leaves[0], "shape", None) if leaves else None
-    return int(shape[0]) if shape else None

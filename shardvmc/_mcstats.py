@@ -138,8 +138,7 @@ def _geyer(rho: jax.Array, n: Any) -> jax.Array:
 def _estimate(
     block_mean: jax.Array,
     block_m2: jax.Array | None,
-    partial_mean: jax.Array | None,
-    partial_m2: jax.Array | None,
+    partial_block: tuple[jax.Array, jax.Array] | None,
     n_blocks: Any,
     block_size: Any,
     partial: Any,
@@ -148,8 +147,9 @@ def _estimate(
 
     ``block_mean`` is this device's ``(walkers, K)`` block means, of which the first
     ``n_blocks`` are filled, each the mean of ``block_size`` steps (``block_m2``: their
-    sums of squared deviations; ``None`` for blocks of one step); ``partial_*`` is a
-    last, incomplete block of ``partial`` steps (``None``: none). The raw series is the
+    sums of squared deviations; ``None`` for blocks of one step); ``partial_block`` is the
+    mean and sum of squared deviations of a last, incomplete block of ``partial`` steps
+    (``None``: none). The raw series is the
     case ``K = n_blocks = steps``, ``block_size = 1``. Mean, variance and R-hat are
     those of the raw samples; the autocorrelation is that of the block means.
     """
@@ -170,17 +170,18 @@ def _estimate(
 
     # Pass 1: the mean, to centre everything on (no cancellation in float32 sums of squares).
     block_mean = jnp.where(filled, block_mean, zero)
+    partial_mean = None if partial_block is None else partial_block[0]
     mu = all_walkers.sum(with_partial(size * block_mean.sum(axis=1), partial_mean)) / total
 
     # Pass 2: per walker, on this device, then one all-reduce of every sum.
     y = jnp.where(filled, block_mean - mu, zero)
-    rest = None if partial_mean is None else partial_mean - mu
+    rest = None if partial_block is None else partial_block[0] - mu
     d = with_partial(size * y.sum(axis=1), rest) / per_walker  # walker mean - mu
     m2 = size * jnp.sum(jnp.where(filled, _real(y - d[:, None]), 0.0), axis=1)
     if block_m2 is not None:
         m2 = m2 + jnp.sum(jnp.where(filled, block_m2, 0.0), axis=1)
-    if rest is not None:
-        m2 = m2 + partial_m2 + c * _real(rest - d)
+    if partial_block is not None:
+        m2 = m2 + partial_block[1] + c * _real(partial_block[0] - mu - d)
 
     half = n_blocks // 2  # split chains: the first and the last `half` blocks
     starts = jnp.stack([jnp.zeros_like(jnp.asarray(half)), n_blocks - half])
@@ -243,7 +244,7 @@ def _estimate(
 
 def _series_block(x: PerWalker[jax.Array]) -> Replicated[Stats]:
     steps = x.shape[1]
-    return _estimate(x, None, None, None, steps, 1, 0)
+    return _estimate(x, None, None, steps, 1, 0)
 
 
 def _blocks_block(
@@ -253,7 +254,7 @@ def _blocks_block(
     partial_m2: PerWalker[jax.Array],
     counts: Replicated[jax.Array],
 ) -> Replicated[Stats]:
-    return _estimate(block_mean, block_m2, partial_mean, partial_m2, counts[0], counts[1], counts[2])
+    return _estimate(block_mean, block_m2, (partial_mean, partial_m2), counts[0], counts[1], counts[2])
 
 
 @functools.cache

@@ -129,6 +129,9 @@ def use_mesh(mesh: Mesh) -> Iterator[Mesh]:
 def n_devices() -> int:
     """Number of devices local to this process (not the global count).
 
+    The walkers of a kernel are split over the devices along its mesh's walker axis
+    instead (``mesh.shape["walkers"]``), which a multi-process mesh spreads over processes.
+
     Example:
         >>> import shardvmc as sv
         >>> sv.n_devices() >= 1

@@ -20,16 +20,17 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.core import Tracer
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from . import _compat
 from ._errors import CallError, describe, message
 from ._memory import compiled_memory, device_memory_budget, format_bytes
 from ._mesh import resolve_mesh
-from ._placement import leading_size, pad_n_walkers, pad_walker
+from ._placement import pad_n_walkers, pad_walker
 from ._reductions import jtj, jtv, walker_mean
 from ._stats import local_indices, masked, rmatvec
-from ._walkerset import check_n_valid, split_walker_set
+from ._walkerset import check_n_valid, split_walker_set, walker_count
 
 __all__ = ["METHODS", "NaturalGradientInfo", "estimate_bytes", "natural_gradient"]
 
@@ -178,8 +179,10 @@ def _sample_space(mesh: Mesh, axis: str, cfg: _Config, j: Any, e: Any, mu: Any, 
         rhs = jax.lax.all_gather(rhs.reshape(n_local * r), axis, tiled=True)
 
         def add_block(k: Any, t: jax.Array) -> jax.Array:
-            start = jnp.minimum(k * block, p_blocks - block)  # the last block overlaps the one before ...
-            fresh = start + jnp.arange(block) >= k * block  # ... and counts only its new columns
+            # The last block overlaps the one before (padding J to whole blocks would copy it), and counts only its
+            # new columns.
+            start = jnp.minimum(k * block, p_blocks - block)
+            fresh = start + jnp.arange(block) >= k * block
             rows = _centred(
                 jax.lax.dynamic_slice_in_dim(j_loc, start, block, axis=2),
                 jax.lax.dynamic_slice_in_dim(mu_b, start, block, axis=1),
@@ -267,7 +270,9 @@ _SOLVERS = {"dense": _dense, "minsr": _sample_space, "spring": _sample_space, "c
 
 def _block_size(p: int, chunks: int, d: int) -> int:
     """Parameters per slice of the minSR matrix: ``ceil(P / chunks)`` rounded up to a multiple of ``d``."""
-    return -(-(-(-p // chunks)) // d) * d
+    per_chunk = -(-p // chunks)  # ceil: `chunks` slices cover all P
+    # The tiled all-to-all hands each of the d devices an equal share of a slice's columns.
+    return -(-per_chunk // d) * d
 
 
 @functools.cache
@@ -279,7 +284,7 @@ def _program(cfg: _Config, mesh: Mesh, axis: str, treedef: Any) -> Any:
 
     def run(leaves: tuple[jax.Array, ...], e: jax.Array, count: jax.Array, scalars: dict[str, Any]) -> Any:
         n = leaves[0].shape[0]
-        j = jnp.concatenate([leaf.reshape(n, -1) for leaf in leaves], axis=1) if len(leaves) > 1 else leaves[0]
+        j = leaves[0] if len(leaves) == 1 else jnp.concatenate([leaf.reshape(n, -1) for leaf in leaves], axis=1)
         j = j.reshape(n, -1)
         if n % d:
             (j, e), _ = pad_walker((j, e), pad_n_walkers(n, d))
@@ -331,7 +336,7 @@ def _compile(cfg: _Config, mesh: Mesh, axis: str, treedef: Any, signature: tuple
     sharding = walker if n % _compat.axis_size(mesh, axis) == 0 else replicated
     leaves = tuple(jax.ShapeDtypeStruct(shape, dtype, sharding=sharding) for shape, dtype in leaf_avals)
     e = jax.ShapeDtypeStruct(e_aval[0], e_aval[1], sharding=sharding)
-    scalars = {
+    scalars: dict[str, jax.ShapeDtypeStruct | None] = {
         k: jax.ShapeDtypeStruct((), real_dtype, sharding=replicated) for k in ("damping", "momentum", "tol", "rcond")
     }
     scalars["previous"] = jax.ShapeDtypeStruct((p,), out_dtype, sharding=replicated) if cfg.has_previous else None
@@ -500,7 +505,7 @@ def natural_gradient(
         )
 
     all_valid = n_valid is None and n % d == 0
-    concrete = not any(isinstance(x, jax.core.Tracer) for x in [*leaves, e, count])
+    concrete = not any(isinstance(x, Tracer) for x in [*leaves, e, count])
     if concrete and n % d:  # pad once here, so the arguments can be placed walker-sharded
         (leaves, e), _ = pad_walker((list(leaves), e), n_pad)
         n = n_pad
@@ -598,7 +603,7 @@ def _agree_n_valid(n_valid: Any, *counts: int | None) -> Any:
     if not known:
         return n_valid
     (count,) = known
-    if n_valid is not None and not isinstance(n_valid, jax.core.Tracer) and int(n_valid) != count:
+    if n_valid is not None and not isinstance(n_valid, Tracer) and int(n_valid) != count:
         raise CallError(
             message(
                 _WHERE,
@@ -613,7 +618,7 @@ def _check_shapes(leaves: list[Any], J: Any, e: Any) -> int:
     """The walker count N of J and e; ``CallError`` naming the shapes when they do not fit."""
     if not leaves:
         raise CallError(message(_WHERE, "J has no array leaves.", got=describe(J), fix="pass an (N, P) array."))
-    n = leading_size(J, _WHERE, "J")
+    n = walker_count(J, _WHERE, "J")
     for leaf in leaves:
         if np.ndim(leaf) < 1 or not jnp.issubdtype(jnp.result_type(leaf), jnp.inexact):
             raise CallError(
@@ -638,7 +643,7 @@ def _check_shapes(leaves: list[Any], J: Any, e: Any) -> int:
 
 
 def _check_damping(damping: Any, method: str, solver: str) -> None:
-    if isinstance(damping, jax.core.Tracer):
+    if isinstance(damping, Tracer):
         return
     value = float(damping)
     if value < 0 or (value == 0 and solver == "cholesky" and method != "cg"):

@@ -8,17 +8,17 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.core import Tracer
 from jax.sharding import Mesh, NamedSharding
 
 from . import _compat
 from ._errors import CallError, message
 from ._mesh import get_replicated_sharding, get_walker_sharding, resolve_mesh
-from ._walkerset import split_walker_set
+from ._walkerset import split_walker_set, walker_count
 
 __all__ = [
     "assemble_sharded",
     "gather_walkers",
-    "leading_size",
     "pad_n_walkers",
     "pad_walker",
     "replicate",
@@ -35,55 +35,18 @@ def _is_scalar(x: Any) -> bool:
     return np.ndim(x) == 0
 
 
-def leading_size(tree: Any, where: str, what: str = "walkers") -> int:
-    """The common leading size of the non-scalar leaves of ``tree``.
-
-    Raises:
-        CallError: naming the pytree paths when two leaves disagree, or when no leaf
-            has a leading axis.
-    """
-    first: tuple[str, int] | None = None
-    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        if _is_scalar(leaf):
-            continue
-        size = int(np.shape(leaf)[0])
-        if first is None:
-            first = (jax.tree_util.keystr(path) or "<root>", size)
-        elif size != first[1]:
-            name = jax.tree_util.keystr(path) or "<root>"
-            raise CallError(
-                message(
-                    where,
-                    f"the leaves of {what} have different leading (walker) sizes.",
-                    got=f"{first[0]} has {first[1]}, {name} has {size}",
-                    expected="every non-scalar leaf to have the walker axis first, of one size",
-                    fix="put the walker axis first in every leaf, or move per-run constants out of the walker pytree.",
-                )
-            )
-    if first is None:
-        raise CallError(
-            message(
-                where,
-                f"{what} has no array leaf with a leading walker axis.",
-                got=f"{jax.tree_util.tree_structure(tree)}",
-                fix="pass arrays of shape (n_walkers, ...).",
-            )
-        )
-    return first[1]
-
-
 def _place(leaf: Any, sharding: NamedSharding) -> jax.Array:
     """Put one leaf onto ``sharding``; each process transfers only its own shards."""
-    if isinstance(leaf, jax.core.Tracer):
+    if isinstance(leaf, Tracer):  # under jit a placement can only be asked for
         return jax.lax.with_sharding_constraint(leaf, sharding)
-    if isinstance(leaf, jax.Array) and (leaf.is_fully_addressable or not sharding.is_fully_addressable):
-        if leaf.is_fully_addressable and not sharding.is_fully_addressable:
-            leaf = np.asarray(leaf)
-        else:
-            # A private copy first: device_put hands back the caller's buffer for the shard on the device it
-            # lives on (also with may_alias=False, measured on JAX 0.10.2), which a step that donates its
-            # arguments (kfac-jax's does) would then delete under the caller.
-            return jax.device_put(jnp.array(leaf, copy=True), sharding)
+    if isinstance(leaf, jax.Array) and leaf.is_fully_addressable == sharding.is_fully_addressable:
+        # Both on this process's devices, or both across processes: JAX reshards. A private copy first:
+        # device_put hands back the caller's buffer for the shard on the device it lives on (also with
+        # may_alias=False, measured on JAX 0.10.2), which a step that donates its arguments (kfac-jax's does)
+        # would then delete under the caller.
+        return jax.device_put(jnp.array(leaf, copy=True), sharding)
+    # Host data, or an array of this process bound for a mesh across processes (every process holds the same
+    # values): each process builds only the shards on its own devices, so nothing crosses processes.
     host = np.asarray(leaf)
     if host.dtype == object:
         raise TypeError(f"leaf of type {type(leaf).__name__} is not an array")
@@ -136,7 +99,7 @@ def shard_walker(tree: Any, mesh: Mesh | None = None, axis_name: str = "walkers"
     """
     mesh = resolve_mesh(mesh, axis_name, where="shard_walker")
     size = _compat.axis_size(mesh, axis_name)
-    n = leading_size(tree, "shard_walker")
+    n = walker_count(tree, "shard_walker")
     if n % size:
         raise CallError(
             message(
@@ -168,6 +131,12 @@ def replicate(tree: Any, mesh: Mesh | None = None) -> Any:
 def pad_n_walkers(n_walkers: int, n_devices: int) -> int:
     """Smallest multiple of ``n_devices`` that is at least ``n_walkers``.
 
+    Args:
+        n_walkers: the walker count.
+        n_devices: the devices the walkers are split over, the size of the mesh's walker
+            axis (``mesh.shape["walkers"]``); in a multi-process run not ``sv.n_devices()``,
+            which counts this process's devices only.
+
     Example:
         >>> import shardvmc as sv
         >>> sv.pad_n_walkers(10, 4), sv.pad_n_walkers(8, 4), sv.pad_n_walkers(1, 4)
@@ -198,7 +167,7 @@ def pad_walker(tree: Any, target_n_walkers: int) -> tuple[Any, int]:
         >>> padded["r"].tolist(), n
         ([0.0, 1.0, 2.0, 0.0], 3)
     """
-    n = leading_size(tree, "pad_walker")
+    n = walker_count(tree, "pad_walker")
     extra = int(target_n_walkers) - n
     if extra <= 0:
         return tree, n
@@ -273,14 +242,15 @@ def assemble_sharded(local_pytrees: Sequence[Any], mesh: Mesh | None = None, axi
                 )
             )
         flat.append(leaves)
-    per_device = leading_size(local_pytrees[0], "assemble_sharded", "local pytree 0")
+    per_device = walker_count(local_pytrees[0], "assemble_sharded", "local pytree 0")
     for i, tree in enumerate(local_pytrees[1:], 1):
-        if leading_size(tree, "assemble_sharded", f"local pytree {i}") != per_device:
+        count = walker_count(tree, "assemble_sharded", f"local pytree {i}")
+        if count != per_device:
             raise CallError(
                 message(
                     "assemble_sharded",
                     f"local pytree {i} holds another number of walkers than pytree 0.",
-                    got=f"{leading_size(tree, 'assemble_sharded')} vs {per_device}",
+                    got=f"{count} vs {per_device}",
                     fix="give every device the same number of walkers (pad with sv.pad_walker).",
                 )
             )

@@ -14,12 +14,13 @@ import contextlib
 import dataclasses
 import operator
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.core import Tracer
 from jax.sharding import Mesh
 
 from . import _compat
@@ -105,7 +106,7 @@ class PlanKey(NamedTuple):
     statics: tuple[Any, ...]
     parts: tuple[Any, ...]  # per traced parameter: the compiled-in part of a model container, or None
     n_walkers: int
-    count: int | str | None  # None: all valid; an int (compiled in); TRACED
+    valid_count: int | str | None  # None: all valid; an int (compiled in); TRACED
     signature: tuple[Any, ...] | None  # the abstract arguments, with batch_size="auto" only
 
 
@@ -128,7 +129,7 @@ class Plan:
     __slots__ = ("batch_size", "call", "key", "mesh", "replicated_check", "run", "spec", "_unchecked")
 
     def __init__(
-        self, spec: KernelSpec, key: PlanKey, run: Callable[..., Any], batch_size: int | None, replicated_check: str
+        self, spec: KernelSpec, key: PlanKey, run: jax.stages.Wrapped, batch_size: int | None, replicated_check: str
     ) -> None:
         self.spec = spec
         self.key = key
@@ -142,8 +143,8 @@ class Plan:
         self.call: Callable[..., Any] = self.run if replicated_check != "values" else self._checked_call
 
     @property
-    def n_devices(self) -> int:
-        """The number of devices along the walker axis."""
+    def n_shards(self) -> int:
+        """The number of devices along the walker axis: the shards the walkers are split into."""
         return _compat.axis_size(self.key.mesh, self.spec.options.axis_name)
 
     @property
@@ -153,18 +154,18 @@ class Plan:
 
     @property
     def n_padded(self) -> int:
-        """``n_walkers`` rounded up to a multiple of ``n_devices``."""
-        return pad_n_walkers(self.key.n_walkers, self.n_devices)
+        """``n_walkers`` rounded up to a multiple of ``n_shards``."""
+        return pad_n_walkers(self.key.n_walkers, self.n_shards)
 
     @property
     def n_valid(self) -> int | None:
         """The number of real walkers (``None``: traced, known when the program runs)."""
-        count = self.key.count
+        count = self.key.valid_count
         return self.key.n_walkers if count is None else None if count == TRACED else int(count)
 
     def _checked_call(self, dyn: tuple[Any, ...], n_valid: Any) -> Any:
         out, agree = self.run(dyn, n_valid)
-        if isinstance(agree, jax.core.Tracer):
+        if isinstance(agree, Tracer):
             # Inside another jit no error can be raised from the program (a host callback that raises leaves
             # the other devices waiting in their all-reduce): the outputs of a call whose Replicated outputs
             # differ between devices are poisoned instead, NaN (the lowest integer for integers).
@@ -202,7 +203,7 @@ def _replicated_positions(layout: Layout, among: list[int]) -> list[int | None]:
     return [positions[j] for j in among]
 
 
-def _device_local_error(spec: KernelSpec, positions: list[int | None]) -> CallError:
+def _device_local_error(spec: KernelSpec, positions: Sequence[int | None]) -> CallError:
     names = ", ".join("the return" if p is None else f"return[{p}]" for p in positions)
     return CallError(
         message(
@@ -232,7 +233,7 @@ def _prove_replicated(spec: KernelSpec, key: PlanKey, dyn: tuple[Any, ...], n_va
     """
     checked = build(
         spec.fn, spec.layout, key.statics, key.mesh, spec.options, spec.qualname,
-        n=key.n_walkers, count=key.count, parts=key.parts, check_vma=True,
+        n=key.n_walkers, count=key.valid_count, parts=key.parts, check_vma=True,
     )  # fmt: skip
     try:
         with jax.set_mesh(key.mesh) if _compat.context_mesh_differs(key.mesh) else contextlib.nullcontext():
@@ -288,10 +289,10 @@ def make_plan(spec: KernelSpec, key: PlanKey, dyn: tuple[Any, ...], n_valid: Any
     if check == "values" and shardings is not None:
         shardings = (shardings, None)
 
-    def jitted(opts: Options) -> Callable[..., Any]:
+    def jitted(opts: Options) -> jax.stages.Wrapped:
         program = build(
             spec.fn, spec.layout, key.statics, mesh, opts, spec.qualname,
-            n=key.n_walkers, count=key.count, parts=key.parts, verify_replicated=check == "values",
+            n=key.n_walkers, count=key.valid_count, parts=key.parts, verify_replicated=check == "values",
         )  # fmt: skip
         return jax.jit(program, out_shardings=shardings)
 
@@ -303,8 +304,8 @@ def make_plan(spec: KernelSpec, key: PlanKey, dyn: tuple[Any, ...], n_valid: Any
 
 
 def _largest_fitting_chunk(
-    spec: KernelSpec, jitted: Callable[[Options], Any], key: PlanKey, dyn: tuple[Any, ...], n_valid: Any
-) -> tuple[Callable[..., Any], int | None]:
+    spec: KernelSpec, jitted: Callable[[Options], jax.stages.Wrapped], key: PlanKey, dyn: tuple[Any, ...], n_valid: Any
+) -> tuple[jax.stages.Wrapped, int | None]:
     """``batch_size="auto"``: the largest chunk whose compiled per-device bytes fit the budget.
 
     Candidates are all walkers of a device at once, then powers of two below that; the

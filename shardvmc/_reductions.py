@@ -65,6 +65,7 @@ def _valid_products(local: Callable[..., Any]) -> Callable[..., Any]:
 
     def block(*blocks: Any) -> Any:
         body = current_body()
+        assert body is not None  # a block function of this module runs only as the body of its kernel
         return reduce_blocks(local, blocks, body.valid, body.axes)
 
     return block

@@ -55,8 +55,8 @@ from ._checkpoint import (
 )
 from ._errors import CallError, message
 from ._mesh import get_replicated_sharding, get_walker_sharding, resolve_mesh
-from ._placement import leading_size, pad_n_walkers
-from ._walkerset import WalkerSet, check_n_valid
+from ._placement import pad_n_walkers
+from ._walkerset import WalkerSet, check_n_valid, walker_count
 
 __all__ = ["Checkpointer", "load_state", "save_state", "wait_for_saves"]
 
@@ -155,7 +155,7 @@ def _prepare(where: str, state: Any, metadata: Any) -> tuple[dict[str, Any], dic
     multi = jax.process_count() > 1
     sets: list[dict[str, Any]] = []
     for name, node in layout.sets:
-        n = leading_size(node.data, where, f"the WalkerSet {name}")
+        n = walker_count(node.data, where, f"the WalkerSet {name}")
         check_n_valid(where, node.n_valid, n)
         sets.append({"path": name, "n_valid": int(node.n_valid), "n_walkers": n})
     entries, arrays = [], {}
@@ -189,7 +189,7 @@ def _prepare(where: str, state: Any, metadata: Any) -> tuple[dict[str, Any], dic
         dtype = leaf.dtype
         if dtype == np.dtype(object):
             raise _unsupported(where, name, "is an object array.", got="dtype object", fix="store numeric arrays.")
-        if is_key_dtype(dtype):
+        if isinstance(leaf, jax.Array) and is_key_dtype(dtype):
             entry["key_impl"] = str(jax.random.key_impl(leaf))
             leaf = jax.random.key_data(leaf)
         shape = list(np.shape(leaf))[: np.ndim(leaf) - (1 if entry["key_impl"] else 0)]
@@ -429,7 +429,7 @@ def _restore(
         restored_count(where, directory, s["n_valid"], node.n_valid, n_walkers)
         for s, (_, node) in zip(sets, layout.sets)
     ]
-    n_devices = _compat.axis_size(mesh, axis_name)
+    n_shards = _compat.axis_size(mesh, axis_name)
     walker_sharding = get_walker_sharding(mesh, axis_name)
     # The padding and cycling below are plain array operations, which Explicit axes would make
     # ask for output shardings: they run on an Auto view of the same devices.
@@ -443,7 +443,7 @@ def _restore(
         shape, dtype = _stored_struct(entry)
         if entry["kind"] == "walker":
             # orbax reads the rows each device gets (zeros past the saved ones); _relayout then pads or cycles.
-            rows = pad_n_walkers(targets[entry["set"]], n_devices)
+            rows = pad_n_walkers(targets[entry["set"]], n_shards)
             restore_args[str(i)] = ocp.ArrayRestoreArgs(
                 sharding=auto_sharding, global_shape=(rows, *shape[1:]), dtype=dtype, strict=False
             )

@@ -134,7 +134,7 @@ def psum_tree(tree: Any, axes: tuple[str, ...]) -> Any:
     floats = [jnp.finfo(x.dtype).dtype for x in leaves if jnp.issubdtype(x.dtype, jnp.inexact)]
     has_ints = len(floats) < len(leaves)
     buffer = jnp.result_type(jnp.float32, *floats)
-    if has_ints and jax.config.jax_enable_x64:
+    if has_ints and jax.dtypes.canonicalize_dtype(jnp.float64) == jnp.float64:  # x64 on
         buffer = jnp.dtype(jnp.float64)
     halves = has_ints and buffer != jnp.float64
     if halves and jax.lax.axis_size(axes) > _MAX_DEVICES_FOR_HALVES:

@@ -19,8 +19,8 @@ from ._errors import CallError, message
 from ._kernel import Options, inside_kernel, signature_of
 from ._markers import Kind, Layout, Param
 from ._mesh import resolve_mesh
-from ._placement import leading_size, pad_n_walkers, pad_walker, shard_walker
-from ._walkerset import WalkerSet
+from ._placement import pad_n_walkers, pad_walker, shard_walker
+from ._walkerset import WalkerSet, walker_count
 
 __all__ = ["get_vmap_fn", "initialize_walkers_sharded", "shard_map_wrap", "shard_vmap", "sharded_batched_vmap"]
 
@@ -369,7 +369,7 @@ def initialize_walkers_sharded(
     if initial_walkers is not None:
         # jax.Arrays stay on devices: a multi-process (global) array cannot be fetched to one host.
         host = jax.tree_util.tree_map(lambda x: x if isinstance(x, jax.Array) else np.asarray(x), initial_walkers)
-        n = leading_size(host, "initialize_walkers_sharded", "initial_walkers")
+        n = walker_count(host, "initialize_walkers_sharded", "initial_walkers")
         if n != n_walkers:
             raise CallError(
                 message(
@@ -404,7 +404,9 @@ def _init_kernel(init_fn: Callable[[jax.Array], Any], mesh: Mesh, axis_name: Any
         ref = weakref.ref(init_fn)  # held weakly: a strong reference from the cached kernel would keep it alive
 
         def one(key: jax.Array, slot: Any) -> Any:
-            return ref()(key)  # type: ignore[misc]  # alive while its kernel is reachable through the key
+            fn = ref()
+            assert fn is not None  # alive while its kernel is reachable through the key
+            return fn(key)
 
     except TypeError:  # not weakly referenceable (e.g. some builtins): not cached
         by_mesh = {}

@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.core import Tracer
 
 from ._errors import CallError, describe, message
 
-__all__ = ["WalkerSet", "check_n_valid", "split_walker_set"]
+__all__ = ["WalkerSet", "check_n_valid", "common_count", "first_count", "split_walker_set", "walker_count"]
 
 
 @jax.tree_util.register_pytree_node_class
@@ -63,11 +64,12 @@ class WalkerSet:
                     fix="pass walkers.data, or use walkers.replace(n_valid=...) to change the count.",
                 )
             )
-        n = _common_count(data)
+        _check_arrays(data)
+        n = walker_count(data, "WalkerSet", "data")
         if n_valid is None:
             n_valid = n
         if isinstance(n_valid, bool) or not isinstance(n_valid, (int, np.integer)):
-            if hasattr(n_valid, "shape") and np.shape(n_valid) == () and not isinstance(n_valid, jax.core.Tracer):
+            if hasattr(n_valid, "shape") and np.shape(n_valid) == () and not isinstance(n_valid, Tracer):
                 n_valid = int(n_valid)
             else:
                 raise CallError(
@@ -96,7 +98,7 @@ class WalkerSet:
     @property
     def n_walkers(self) -> int:
         """The number of walkers held, padding included (the leading size of ``data``)."""
-        n = _first_count(self.data)
+        n = first_count(self.data)
         return self.n_valid if n is None else n
 
     @property
@@ -263,38 +265,40 @@ class WalkerSet:
         return f"WalkerSet(n_valid={self.n_valid}, data={describe(self.data)})"
 
 
-def _first_count(data: Any) -> int | None:
-    """Leading size of the first leaf that has one (``None``: no such leaf)."""
-    shape = getattr(data, "shape", None)  # walker data that is one array: no flattening on the call path
+def first_count(tree: Any) -> int | None:
+    """The walker count of ``tree``, unchecked: the leading size of its first non-scalar leaf (``None``: none).
+
+    On the per-call path: walker data that is one array costs one attribute lookup.
+    :func:`walker_count` (or the engine's trace-time check) is what says the other leaves agree.
+    """
+    shape = getattr(tree, "shape", None)
     if shape:
         return int(shape[0])
-    for leaf in jax.tree_util.tree_leaves(data):
+    for leaf in jax.tree_util.tree_leaves(tree):
         shape = getattr(leaf, "shape", None)
         if shape:
             return int(shape[0])
     return None
 
 
-def _common_count(data: Any) -> int:
-    """The leading size every non-scalar leaf of ``data`` shares; a ``CallError`` naming the leaves otherwise.
+def common_count(
+    shapes: Iterable[tuple[str, tuple[int, ...]]],
+    where: str,
+    problem: Callable[[str, str], str],
+    *,
+    expected: str,
+    fix: str,
+) -> tuple[str, int] | None:
+    """The one rule of a walker count: every shape with an axis has the same leading size.
 
-    Scalar leaves (a step counter beside the walkers) carry no walker axis and are left
-    alone, as ``sv.shard_walker`` replicates them.
+    ``shapes`` are ``(name, shape)`` pairs; scalars carry no walker axis and are passed
+    over. Returns the first name and its leading size (``None``: no shape has an axis).
+
+    Raises:
+        CallError: naming the first two leaves that disagree (``problem(first, other)``).
     """
     first: tuple[str, int] | None = None
-    for path, leaf in jax.tree_util.tree_flatten_with_path(data)[0]:
-        name = jax.tree_util.keystr(path) or "<root>"
-        shape = np.shape(leaf) if hasattr(leaf, "shape") or isinstance(leaf, (int, float, complex)) else None
-        if shape is None:
-            raise CallError(
-                message(
-                    "WalkerSet",
-                    f"leaf {name} of data is not an array.",
-                    got=type(leaf).__name__,
-                    expected="arrays with the walker axis first",
-                    fix="keep settings out of the walker data (pass them as Replicated or Static arguments).",
-                )
-            )
+    for name, shape in shapes:
         if not shape:
             continue
         if first is None:
@@ -302,22 +306,63 @@ def _common_count(data: Any) -> int:
         elif int(shape[0]) != first[1]:
             raise CallError(
                 message(
-                    "WalkerSet",
-                    "the leaves of data hold different numbers of walkers.",
-                    got=f"{first[0]} has {first[1]} walkers, {name} has {shape[0]}",
-                    expected="one leading walker size for every non-scalar leaf",
+                    where,
+                    problem(first[0], name),
+                    got=f"{first[0]} has {first[1]} walkers (leading axis), {name} has {shape[0]}",
+                    expected=expected,
+                    fix=fix,
                 )
             )
+    return first
+
+
+def walker_count(tree: Any, where: str, what: str = "walkers") -> int:
+    """The walker count of ``tree``: the leading size its non-scalar leaves share.
+
+    Scalar leaves (a step counter beside the walkers) carry no walker axis and are left
+    alone, as ``sv.shard_walker`` replicates them.
+
+    Raises:
+        CallError: naming the pytree paths when two leaves disagree, or when no leaf
+            has a leading axis.
+    """
+    shapes = ((jax.tree_util.keystr(path) or "<root>", np.shape(leaf)) for path, leaf in _leaves(tree))
+    first = common_count(
+        shapes,
+        where,
+        lambda a, b: f"the leaves of {what} hold different numbers of walkers.",
+        expected="every non-scalar leaf to have the walker axis first, of one size",
+        fix="put the walker axis first in every leaf, or move per-run constants out of the walker pytree.",
+    )
     if first is None:
         raise CallError(
             message(
-                "WalkerSet",
-                "data has no array leaf with a walker axis, so the count is unknown.",
-                got=str(jax.tree_util.tree_structure(data)),
+                where,
+                f"{what} has no array leaf with a leading walker axis, so the walker count is unknown.",
+                got=f"{jax.tree_util.tree_structure(tree)}",
                 fix="pass arrays of shape (n_walkers, ...).",
             )
         )
     return first[1]
+
+
+def _leaves(tree: Any) -> list[tuple[Any, Any]]:
+    return jax.tree_util.tree_flatten_with_path(tree)[0]
+
+
+def _check_arrays(data: Any) -> None:
+    """A ``CallError`` naming the first leaf of ``data`` that is neither an array nor a number."""
+    for path, leaf in _leaves(data):
+        if not (hasattr(leaf, "shape") or isinstance(leaf, (int, float, complex))):
+            raise CallError(
+                message(
+                    "WalkerSet",
+                    f"leaf {jax.tree_util.keystr(path) or '<root>'} of data is not an array.",
+                    got=type(leaf).__name__,
+                    expected="arrays with the walker axis first",
+                    fix="keep settings out of the walker data (pass them as Replicated or Static arguments).",
+                )
+            )
 
 
 def _rows(tree: Any, rows: Callable[[Any], Any]) -> Any:
@@ -333,7 +378,7 @@ def split_walker_set(x: Any, where: str = "shardvmc") -> tuple[Any, int | None]:
     """
     if not isinstance(x, WalkerSet):
         return x, None
-    n = _first_count(x.data)
+    n = first_count(x.data)
     if n is not None and x.n_valid > n:
         raise CallError(
             message(
@@ -358,7 +403,7 @@ def check_n_valid(where: str, n_valid: Any, n_walkers: int) -> None:
         raise CallError(
             message(where, "there are no walkers (the walker axis has size 0).", fix="pass at least one walker.")
         )
-    if n_valid is None or isinstance(n_valid, jax.core.Tracer):
+    if n_valid is None or isinstance(n_valid, Tracer):
         return
     dtype = getattr(n_valid, "dtype", None)
     integral = isinstance(n_valid, int) if dtype is None else jnp.issubdtype(dtype, jnp.integer)

@@ -21,13 +21,14 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
-from ._errors import CallError, message
+from ._errors import CallError, describe, message
 
 __all__ = [
     "ENV_COORDINATOR",
@@ -117,20 +118,27 @@ def _pin_gloo_to(host: str) -> None:
     try:  # no public spelling: JAX builds the CPU client with these collectives itself
         from jax._src import xla_bridge
 
-        module = xla_bridge._jax
+        # the module xla_bridge itself calls, which it imports without re-exporting it
+        module = xla_bridge._jax  # pyright: ignore[reportPrivateImportUsage]
         make = module.make_gloo_tcp_collectives
     except (ImportError, AttributeError):  # pragma: no cover - another JAX layout: keep its default
         return
     make = getattr(make, "__wrapped__", make)
 
-    def make_on_host(*args: Any, **kwargs: Any) -> Any:
-        if kwargs.get("hostname") is None and kwargs.get("interface") is None:
-            kwargs["hostname"] = host
-        return make(*args, **kwargs)
+    module.make_gloo_tcp_collectives = _OnHost(make, host)
 
-    make_on_host.__wrapped__ = make  # type: ignore[attr-defined]
-    make_on_host.shardvmc_host = host  # type: ignore[attr-defined]
-    module.make_gloo_tcp_collectives = make_on_host
+
+class _OnHost:
+    """JAX's gloo factory with ``hostname=host`` where the caller names neither a host nor an interface."""
+
+    def __init__(self, make: Callable[..., Any], host: str) -> None:
+        self.__wrapped__ = make
+        self.shardvmc_host = host
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("hostname") is None and kwargs.get("interface") is None:
+            kwargs["hostname"] = self.shardvmc_host
+        return self.__wrapped__(*args, **kwargs)
 
 
 def _select_cpu_collectives(coordinator_address: str | None) -> None:
@@ -143,10 +151,12 @@ def _select_cpu_collectives(coordinator_address: str | None) -> None:
     from installed plugins (a CUDA plugin on a machine without a GPU, where JAX runs on
     CPU) would leave the CPU run without them. ``mpi`` and ``megascale`` are kept as chosen.
     """
-    if jax.config.jax_cpu_collectives_implementation is None:
+    # jax.config makes its options attributes at run time, which a type checker cannot see (hence the ignores)
+    if jax.config.jax_cpu_collectives_implementation is None:  # pyright: ignore[reportAttributeAccessIssue]
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     loopback = _loopback_host(coordinator_address)
-    if loopback is not None and jax.config.jax_cpu_collectives_implementation == "gloo":
+    collectives = jax.config.jax_cpu_collectives_implementation  # pyright: ignore[reportAttributeAccessIssue]
+    if loopback is not None and collectives == "gloo":
         _pin_gloo_to(loopback)
 
 
@@ -354,7 +364,7 @@ def initialize(
 def _local_copy(leaf: Any) -> np.ndarray:
     """This process's copy of a replicated leaf as host data (typed keys as their key data)."""
     if isinstance(leaf, jax.Array):
-        if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+        if jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key):
             leaf = jax.random.key_data(leaf)
         if not leaf.is_fully_addressable:
             leaf = leaf.addressable_data(0)  # one device's full copy: no transfer between processes
@@ -365,7 +375,7 @@ def _digest(*parts: bytes | np.ndarray) -> np.ndarray:
     """A 64-bit checksum of ``parts`` (SHA-1, truncated) as two int32, what every collective carries."""
     h = hashlib.sha1(usedforsecurity=False)  # a checksum, not security; faster here than BLAKE2b
     for part in parts:
-        data = part.reshape(-1).view(np.uint8) if isinstance(part, np.ndarray) else part  # no copy
+        data = part.reshape(-1).view(np.uint8).data if isinstance(part, np.ndarray) else part  # no copy
         h.update(len(data).to_bytes(8, "little"))
         h.update(data)
     return np.frombuffer(h.digest()[:8], dtype=np.int32).copy()
@@ -413,7 +423,7 @@ def check_consistent(tree: Any, *, what: str = "params") -> None:
                 message(
                     where,
                     f"leaf {name} of {what} is sharded ({leaf.sharding}), so processes hold different parts of it.",
-                    got=f"{leaf.dtype}{list(leaf.shape)}",
+                    got=describe(leaf),
                     expected="replicated leaves (sv.replicate) or host values",
                     fix=f"pass only the replicated part of {what}; per-walker data differs between processes.",
                 )

@@ -81,16 +81,17 @@ except ImportError as err:  # pragma: no cover - exercised in a subprocess by th
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.core import Tracer
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from . import _kfac_compat
 from ._decorator import WalkerParallel
-from ._errors import CallError, message
+from ._errors import CallError, describe, message
 from ._kernel import Options
 from ._markers import Kind, Layout, Param
 from ._mesh import resolve_mesh
-from ._placement import leading_size, pad_n_walkers, replicate, shard_walker, slice_walkers
-from ._walkerset import WalkerSet
+from ._placement import pad_n_walkers, replicate, shard_walker, slice_walkers
+from ._walkerset import WalkerSet, walker_count
 
 __all__ = ["KFAC_JAX_PATCHED", "DiagonalBlockWarning", "Optimizer", "check_curvature_blocks"]
 
@@ -322,7 +323,7 @@ class Optimizer:
         assert self._mesh is not None and self._kmesh is not None
         size = self._size
         data, n_valid = (batch.data, batch.n_valid) if isinstance(batch, WalkerSet) else (batch, None)
-        n = leading_size(data, _WHERE, what)
+        n = walker_count(data, _WHERE, what)
         if n_valid is not None and n_valid < n:
             if n_valid % size == 0:  # drop the padding: the valid walkers still split evenly
                 data, n = slice_walkers(data, 0, n_valid), n_valid
@@ -391,7 +392,7 @@ class Optimizer:
         """
         init_kernel, _ = self._kernels()
         data = self._batch(batch, "batch")
-        self._block_size = leading_size(data, _WHERE, "batch") // self._size
+        self._block_size = walker_count(data, _WHERE, "batch") // self._size
         state = init_kernel(self._replicated(params), _key(rng), data, self._replicated(func_state))
         if self._warn:
             check_curvature_blocks(self._kfac, params, stacklevel=3)
@@ -442,7 +443,7 @@ class Optimizer:
             )
         if global_step_int is None:
             counter = state.step_counter
-            if isinstance(counter, jax.core.Tracer):
+            if isinstance(counter, Tracer):
                 raise CallError(
                     message(
                         f"{_WHERE}.step",
@@ -519,7 +520,7 @@ def check_curvature_blocks(optimizer: Any, params: Any, *, stacklevel: int = 2) 
 
 def _on(x: Any, sharding: NamedSharding, place_host: Callable[[Any], Any]) -> Any:
     """``x`` with exactly ``sharding``: traced and matching arrays as they are, other arrays moved, host data placed."""
-    if isinstance(x, jax.core.Tracer) or (isinstance(x, jax.Array) and x.sharding == sharding):
+    if isinstance(x, Tracer) or (isinstance(x, jax.Array) and x.sharding == sharding):
         return x
     if isinstance(x, jax.Array):
         return jax.device_put(x, sharding)
@@ -536,7 +537,7 @@ def _key(rng: Any) -> jax.Array:
         message(
             _WHERE,
             "rng must be one PRNG key (shardvmc gives device i the key fold_in(rng, i)).",
-            got=f"{rng.dtype}{list(rng.shape)}",
+            got=describe(rng),
             expected="jax.random.key(seed) or jax.random.PRNGKey(seed)",
             fix="pass one key, not FermiNet's per-device keys (make_different_rng_key_on_all_devices).",
         )

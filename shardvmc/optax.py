@@ -80,7 +80,8 @@ class FisherNormState(NamedTuple):
         scale: the factor the last update was multiplied by (1 when the constraint did not bind).
     """
 
-    count: jax.Array
+    # optax's name for a step counter (its ScaleByScheduleState.count), kept public although it shadows tuple.count
+    count: jax.Array  # pyright: ignore[reportIncompatibleMethodOverride]
     scale: jax.Array
 
 
@@ -225,7 +226,8 @@ def natural_gradient(
         )
         return _like(direction, updates, where), new_state
 
-    return optax.GradientTransformationExtraArgs(init, update)
+    # optax's protocols take the state as an ArrayTree; a transform's own NamedTuple state cannot be written so
+    return optax.GradientTransformationExtraArgs(init, update)  # pyright: ignore[reportArgumentType]
 
 
 def _rows_times(jacobian: Any, updates: Any, where: str) -> jax.Array:
@@ -310,6 +312,7 @@ def clip_by_fisher_norm(
         bound = max_norm / jnp.maximum(lr**2 * d_s_d, jnp.finfo(d_s_d.dtype).tiny)
         scale = jnp.minimum(1.0, jnp.sqrt(bound)).astype(d_s_d.dtype)
         clipped = jax.tree_util.tree_map(lambda u: (u * scale).astype(u.dtype), updates)
-        return clipped, FisherNormState(optax.safe_increment(state.count), scale.astype(state.scale.dtype))
+        return clipped, FisherNormState(jnp.asarray(optax.safe_increment(state.count)), scale.astype(state.scale.dtype))
 
-    return optax.GradientTransformationExtraArgs(init, update)
+    # optax's protocols take the state as an ArrayTree; a transform's own NamedTuple state cannot be written so
+    return optax.GradientTransformationExtraArgs(init, update)  # pyright: ignore[reportArgumentType]

@@ -7,6 +7,7 @@ from collections.abc import MutableMapping
 from typing import Any
 
 import jax
+from jax.core import Tracer
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ._mesh import resolve_mesh
@@ -101,7 +102,7 @@ def _arrays(tree: Any, where: str) -> list[tuple[str, jax.Array]]:
     out = []
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
         name = jax.tree_util.keystr(path) or "<root>"
-        if isinstance(leaf, jax.core.Tracer):
+        if isinstance(leaf, Tracer):
             raise AssertionError(
                 f"{where}: leaf {name} is a tracer; shardings can only be checked on concrete arrays "
                 "(call it outside jit)."

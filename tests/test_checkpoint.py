@@ -398,7 +398,7 @@ def test_save_rejects_bad_arguments(tmp_path: Path) -> None:
         sv.save_walkers(tmp_path / "c.npz", tree, metadata=[1, 2])
     with pytest.raises(sv.CallError, match=r"(?s)save_walkers: metadata cannot be stored as JSON.*float\(energy\)"):
         sv.save_walkers(tmp_path / "c.npz", tree, metadata={"e": np.float32(1)})
-    with pytest.raises(sv.CallError, match="save_walkers: the leaves of tree have different leading"):
+    with pytest.raises(sv.CallError, match="save_walkers: the leaves of tree hold different numbers of walkers"):
         sv.save_walkers(tmp_path / "c.npz", {"r": np.ones((8, 3)), "s": np.ones(7)})
     assert list(tmp_path.iterdir()) == []
 
