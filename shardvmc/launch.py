@@ -12,7 +12,9 @@ Each process finds the group in its environment (``SHARDVMC_COORDINATOR_ADDRESS`
 (``JAX_PLATFORMS=cpu``, ``XLA_FLAGS=--xla_force_host_platform_device_count=N`` and the XLA CPU
 deadlock workaround ``shardvmc.testing.CPU_SCHEDULER_FLAG``).
 
-Every output line is prefixed with its process index (``[0] ...``). The launcher exits
+Every output line is prefixed with its process index (``[0] ...``). The CPU collectives'
+connection messages (``[Gloo] Rank 0 is connected to 3 peer ranks. ...``, one per
+device and group) are left out unless ``--verbose``. The launcher exits
 with the first failing process's code (``128 + signal`` for a signal), or with 124 when
 ``--timeout`` seconds pass; 0 when all succeed.
 
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -101,10 +104,26 @@ def process_env(
     return env
 
 
-def _forward(index: int, stream: IO[bytes], out: IO[str], lock: threading.Lock) -> None:
-    """Copy ``stream`` to ``out`` line by line, each line prefixed ``[index] ``."""
+# The gloo that jaxlib 0.10.2 bundles prints this for every device of every new group of
+# devices, to stdout, unconditionally (gloo has since made it an INFO log under
+# GLOO_LOG_LEVEL: https://github.com/pytorch/gloo/pull/466). A line where fewer peers are
+# connected than expected (and the "is NOT connected to" line after it) is kept.
+_GLOO_CONNECTED = re.compile(
+    r"\[Gloo\] Rank \d+ is connected to (\d+) peer ranks\. Expected number of connected peer ranks is : (\d+)"
+)
+
+
+def _is_connection_chatter(line: str) -> bool:
+    m = _GLOO_CONNECTED.fullmatch(line.strip())
+    return m is not None and m.group(1) == m.group(2)
+
+
+def _forward(index: int, stream: IO[bytes], out: IO[str], lock: threading.Lock, verbose: bool = False) -> None:
+    """Copy ``stream`` to ``out`` line by line, each line prefixed ``[index] ``, without gloo's chatter."""
     for raw in iter(stream.readline, b""):
         line = raw.decode(errors="replace").rstrip("\r\n")
+        if not verbose and _is_connection_chatter(line):
+            continue
         with lock:
             out.write(f"[{index}] {line}\n")
             out.flush()
@@ -182,6 +201,7 @@ def launch(
     env: Mapping[str, str] | None = None,
     stdout: IO[str] | None = None,
     stderr: IO[str] | None = None,
+    verbose: bool = False,
 ) -> int:
     """Run ``command`` as ``processes`` processes of one JAX group; return the exit code.
 
@@ -195,6 +215,8 @@ def launch(
         env: the base environment (default: this process's).
         stdout: where the prefixed output lines go (default: ``sys.stdout``).
         stderr: where the launcher's own messages go (default: ``sys.stderr``).
+        verbose: keep the CPU collectives' connection messages (gloo's ``[Gloo] Rank i is
+            connected to ...``), which are left out by default.
 
     Returns:
         0 when every process succeeded; else the first failing process's exit code
@@ -209,7 +231,7 @@ def launch(
         >>> sorted(out.getvalue().splitlines())
         ['[0] 0', '[1] 1']
     """
-    return _launch(command, processes, devices_per_process, timeout, grace, env, stdout, stderr, _Interrupt())
+    return _launch(command, processes, devices_per_process, timeout, grace, env, stdout, stderr, _Interrupt(), verbose)
 
 
 def _launch(
@@ -222,6 +244,7 @@ def _launch(
     stdout: IO[str] | None,
     stderr: IO[str] | None,
     interrupt: _Interrupt,
+    verbose: bool = False,
 ) -> int:
     """:func:`launch`, stopping early when ``interrupt`` is set (by :func:`main`'s signal handler)."""
     if processes < 1:
@@ -257,7 +280,7 @@ def _launch(
             )
             procs.append(proc)
             assert proc.stdout is not None
-            thread = threading.Thread(target=_forward, args=(i, proc.stdout, out, lock), daemon=True)
+            thread = threading.Thread(target=_forward, args=(i, proc.stdout, out, lock, verbose), daemon=True)
             thread.start()
             threads.append(thread)
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -324,6 +347,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         metavar="S",
         help=f"seconds from SIGTERM to SIGKILL when stopping the processes (default {DEFAULT_GRACE_S:g})",
     )
+    parser.add_argument(
+        "--verbose",
+        action="store_true",
+        help="keep the CPU collectives' connection messages ([Gloo] Rank i is connected to ...), left out by default",
+    )
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the program to run, after `--`")
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
@@ -348,7 +376,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     code = 0
     try:
         code = _launch(
-            command, args.processes, args.devices_per_process, args.timeout, args.grace, None, None, None, interrupt
+            command,
+            args.processes,
+            args.devices_per_process,
+            args.timeout,
+            args.grace,
+            None,
+            None,
+            None,
+            interrupt,
+            args.verbose,
         )
     except KeyboardInterrupt:  # not the main thread: no handler of ours, Python's own
         interrupt.signum = signal.SIGINT

@@ -189,6 +189,14 @@ def test_every_process_sees_the_same_results(toolkit):
     assert toolkit[0]["checks"] == toolkit[1]["checks"]
 
 
+def test_the_collectives_connection_messages_are_left_out(runs, toolkit):
+    # gloo prints "[Gloo] Rank i is connected to ..." for every device of every group it connects
+    # (8 lines and more per run); the launcher drops them unless --verbose.
+    _, output = runs["toolkit"].wait()
+    assert "[0] " in output and "[1] " in output, output
+    assert "[Gloo]" not in output, output
+
+
 # ---------------------------------------------------------------- toolkit, against known values
 
 
@@ -591,6 +599,23 @@ def test_an_uncaught_exception_after_initialize_ends_the_run_promptly():
     assert "process 1 exited with code 1; stopping the others" in err
     failed_at = float(out.split("failing at ")[1].split()[0])
     assert ended - failed_at < 30, out + err  # from the failure to the end of the run: a hang guard, not a benchmark
+
+
+GLOO_LINE = "[Gloo] Rank 0 is connected to 3 peer ranks. Expected number of connected peer ranks is : 3"
+GLOO_SHORT = "[Gloo] Rank 1 is connected to 2 peer ranks. Expected number of connected peer ranks is : 3"
+
+
+@pytest.mark.parametrize("verbose", [False, True])
+def test_launcher_drops_the_connection_messages_unless_verbose(verbose, capfd):
+    """The exact lines jaxlib 0.10.2's gloo prints; one whose peers are missing is always kept."""
+    script = (
+        f"print({GLOO_LINE!r}); print({GLOO_SHORT!r}); print('[Gloo] Rank 1 is NOT connected to: [2]'); print('hi')"
+    )
+    code = launch.main([*(["--verbose"] if verbose else []), "-n", "1", "--", sys.executable, "-c", script])
+    assert code == 0
+    lines = capfd.readouterr().out.splitlines()
+    kept = [f"[0] {GLOO_SHORT}", "[0] [Gloo] Rank 1 is NOT connected to: [2]", "[0] hi"]
+    assert lines == ([f"[0] {GLOO_LINE}"] if verbose else []) + kept
 
 
 def test_launcher_timeout():
