@@ -40,7 +40,6 @@ from jax.flatten_util import ravel_pytree
 from models import hamiltonian, kfac_loss, systems
 
 import shardvmc as sv
-import shardvmc.kfac as svk
 import shardvmc.optax as svx
 
 SYSTEMS = {name: systems.SYSTEMS[name] for name in ("Li", "LiH", "Be")}
@@ -205,6 +204,8 @@ def make_optimiser(config: Config, mesh: Any) -> Any:
         return config.lr / (1.0 + t / config.lr_decay)
 
     if config.optimiser == "kfac":
+        from shardvmc import kfac as svk  # loads kfac-jax and scipy: only when asked for (see kfac_loss.make_loss)
+
         loss = kfac_loss.make_loss(SYSTEMS[config.system], clip=config.clip, method="folx", network=log_psi)
         return svk.Optimizer(
             jax.value_and_grad(loss, has_aux=True), l2_reg=0.0, mesh=mesh, pmap_axis_name=kfac_loss.AXIS,

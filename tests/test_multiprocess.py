@@ -361,15 +361,24 @@ def _launch_quietly(
 
 
 # A launched process that ignores SIGTERM, as does a child it starts in its group; process 1
-# exits with code 5 when asked to. Only SIGKILL to the whole group ends them.
+# exits with code 5 when asked to (`fail DIR`), once process 0 has said (a file in DIR) that it ignores
+# SIGTERM and has printed: on a loaded machine process 0 may still be starting when process 1 fails,
+# and the launcher's SIGTERM would then end it before it could report. Only SIGKILL to the whole group
+# ends them.
 STUBBORN = (
-    "import os, signal, subprocess, sys, time\n"
+    "import os, pathlib, signal, subprocess, sys, time\n"
     "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
     "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"  # inherits SIG_IGN
     "pid = int(os.environ['SHARDVMC_PROCESS_ID'])\n"
     "print('hello from', pid, 'of', os.environ['SHARDVMC_NUM_PROCESSES'], flush=True)\n"
     "print('group', os.getpgid(0), 'child', child.pid, flush=True)\n"
-    "sys.exit(5) if pid == 1 and sys.argv[1:] == ['fail'] else time.sleep(600)\n"
+    "if sys.argv[1:2] == ['fail']:\n"
+    "    ready, deadline = pathlib.Path(sys.argv[2]), time.monotonic() + 300\n"
+    "    (ready / f'ready{pid}').touch()\n"
+    "    while pid == 1 and not (ready / 'ready0').exists() and time.monotonic() < deadline:\n"
+    "        time.sleep(0.05)\n"
+    "    pid == 1 and sys.exit(5)\n"
+    "time.sleep(600)\n"
 )
 
 
@@ -422,8 +431,8 @@ def _group_gone(pgid: int, wait: float = 10) -> bool:
         time.sleep(0.05)
 
 
-def test_launcher_exit_code_and_prefixes_without_jax():
-    code, out, err = _launch_quietly([sys.executable, "-c", STUBBORN, "fail"], 2)
+def test_launcher_exit_code_and_prefixes_without_jax(tmp_path):
+    code, out, err = _launch_quietly([sys.executable, "-c", STUBBORN, "fail", str(tmp_path)], 2)
     assert code == 5
     lines = sorted(line for line in out.splitlines() if "hello" in line)
     assert lines == ["[0] hello from 0 of 2", "[1] hello from 1 of 2"]
@@ -439,9 +448,9 @@ def test_launcher_exit_code_and_prefixes_without_jax():
     [(signal.SIGINT, "running"), (signal.SIGTERM, "running"), (signal.SIGINT, "stopping")],
     ids=["SIGINT", "SIGTERM", "SIGINT-during-grace"],
 )
-def test_an_interrupted_launcher_leaves_no_process_behind(sig, when):
+def test_an_interrupted_launcher_leaves_no_process_behind(sig, when, tmp_path):
     """Interrupted while the processes run, or during the grace period after a failure (then a long one)."""
-    grace, fail = ("0.5", []) if when == "running" else ("120", ["fail"])
+    grace, fail = ("0.5", []) if when == "running" else ("120", ["fail", str(tmp_path)])
     command = [sys.executable, "-m", "shardvmc.launch", "-n", "2", "--grace", grace, "--"]
     command += [sys.executable, "-c", STUBBORN, *fail]
     with _Started(command) as run:
@@ -540,7 +549,7 @@ class _SignalOnMessage(io.StringIO):
         return written
 
 
-def test_a_signal_right_after_the_failure_message_cuts_the_grace_short(monkeypatch):
+def test_a_signal_right_after_the_failure_message_cuts_the_grace_short(monkeypatch, tmp_path):
     """``launch.main`` in this process: process 1 fails, and SIGINT arrives as the launcher says so.
 
     Process 0 ignores SIGTERM and the grace is 120 s: only a signal that is not lost in that window
@@ -559,7 +568,7 @@ def test_a_signal_right_after_the_failure_message_cuts_the_grace_short(monkeypat
     monkeypatch.setattr(sys, "stderr", err)
     began = time.monotonic()
     try:
-        code = launch.main(["-n", "2", "--grace", "120", "--", sys.executable, "-c", STUBBORN, "fail"])
+        code = launch.main(["-n", "2", "--grace", "120", "--", sys.executable, "-c", STUBBORN, "fail", str(tmp_path)])
         took = time.monotonic() - began
         assert len(started) == 2
         assert all(_group_gone(p.pid) for p in started), err.getvalue()

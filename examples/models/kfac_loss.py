@@ -24,7 +24,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import kfac_jax
 
 from . import ferminet, hamiltonian, orbitals
 from .systems import System
@@ -82,6 +81,10 @@ def make_loss(
         vmap: how the loss maps the network over its walkers (FermiNet: ``jax.vmap``).
         network: ``log_psi(params, r, system)``.
     """
+    # Imported here, not with the module: kfac-jax loads scipy (and its OpenBLAS), which must come after
+    # shardvmc.testing.set_cpu_devices has limited OpenBLAS to one thread per fake device.
+    import kfac_jax
+
     psi = functools.partial(network, system=system)
     energy = hamiltonian.make_local_energy(psi, system, method)
 
