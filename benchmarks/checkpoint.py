@@ -158,6 +158,7 @@ def io(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _example() -> Any:
+    sys.path.insert(0, str(ROOT / "examples"))  # the example's plumbing and models, as `python examples/...` has them
     spec = importlib.util.spec_from_file_location("neural_vmc", ROOT / "examples" / "neural_vmc.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
@@ -169,32 +170,20 @@ def _example() -> Any:
 def steps(args: argparse.Namespace) -> dict[str, Any]:
     nv = _example()
     import jax
-    import jax.numpy as jnp
     import numpy as np
     from jax.flatten_util import ravel_pytree
 
     import shardvmc as sv
 
-    # The optimiser the example's command line picks (CG on CPU, minSR on accelerators), unless given.
-    optimiser = args.optimiser or ("cg" if jax.devices()[0].platform == "cpu" else "minsr")
+    # The example's default optimiser (minSR), unless given.
+    optimiser = args.optimiser or "minsr"
     config = nv.Config(system=args.system, walkers=args.walkers, sweeps=args.sweeps, optimiser=optimiser)
     mesh = sv.create_mesh()
     root = jax.random.key(config.seed)
     with jax.enable_x64(True), sv.use_mesh(mesh):
-        dtype = jnp.float64
-        params = sv.replicate(nv.init_params(config, dtype), mesh)
-        n_params = int(ravel_pytree(params)[0].size)
-        state = nv.State(
-            params, sv.replicate(jnp.zeros((n_params,), dtype), mesh), sv.replicate(jnp.asarray(0.3, dtype), mesh)
-        )
-        system = nv.SYSTEMS[config.system]
-
-        def init_walker(key: jax.Array) -> dict:
-            return {"r": nv.systems.init_walkers(key, system, 1, dtype)[0], "log_psi": jnp.zeros((), dtype)}
-
-        walkers = sv.initialize_walkers_sharded(init_walker, config.walkers, key=jax.random.fold_in(root, 0))
-        walkers = nv.make_kernels(mesh, config.batch_size).refresh(state.params, walkers, system)
-        train, _ = nv.make_steps(config, mesh)
+        _, train, _ = nv.make_steps(config, mesh)
+        state, walkers = nv.initial_state(config, mesh)
+        n_params = int(ravel_pytree(state.params)[0].size)
         t = 0
         blocking: list[float] = []
 
@@ -202,8 +191,8 @@ def steps(args: argparse.Namespace) -> dict[str, Any]:
             nonlocal state, walkers, t
             start = time.perf_counter()
             for _ in range(args.block):
-                state, walkers, stats = train(state, walkers, jax.random.fold_in(root, t + 1), jnp.asarray(t, dtype))
-                nv.host(stats)  # the example reads the statistics every step
+                state, walkers, stats = train(state, walkers, jax.random.fold_in(root, t + 1))
+                np.asarray(stats)  # the example reads the statistics every step
                 t += 1
                 if ckpt is not None and t % args.every == 0:
                     s0 = time.perf_counter()
@@ -267,7 +256,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p_steps.add_argument("--system", default="Li")
     p_steps.add_argument("--walkers", type=int, default=512)
     p_steps.add_argument("--sweeps", type=int, default=20, help="Metropolis moves per step (the example's default)")
-    p_steps.add_argument("--optimiser", default=None, help="default: the example's (cg on CPU, minsr elsewhere)")
+    p_steps.add_argument("--optimiser", default=None, help="default: the example's (minsr)")
     p_steps.add_argument("--reps", type=int, default=7)
     p_steps.add_argument("--block", type=int, default=20, help="steps per timed block")
     p_steps.add_argument("--every", type=int, default=10, help="steps between saves")

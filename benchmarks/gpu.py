@@ -375,7 +375,6 @@ def solver_rows(guard: Guard, mesh: Any, sizes: Sizes) -> None:
 def neural_rows(guard: Guard, mesh: Any, sizes: Sizes, optimiser: str) -> None:
     """The neural workload's optimisation and evaluation steps, timed, and their memory."""
     import jax
-    import jax.numpy as jnp
     from jax.flatten_util import ravel_pytree
 
     import shardvmc as sv
@@ -392,22 +391,11 @@ def neural_rows(guard: Guard, mesh: Any, sizes: Sizes, optimiser: str) -> None:
         what = f"neural {config.system} step ({optimiser}, float64), {n} walkers"
 
         def run(config: Any = config, n: int = n, what: str = what) -> None:
-            system = neural.SYSTEMS[config.system]
             with jax.enable_x64(True), sv.use_mesh(mesh):
-                params = sv.replicate(neural.init_params(config, jnp.float64), mesh)
-                n_params = int(ravel_pytree(params)[0].size)
-                zeros = sv.replicate(jnp.zeros((n_params,), jnp.float64), mesh)
-                state = neural.State(params, zeros, sv.replicate(jnp.asarray(0.3, jnp.float64), mesh))
-
-                def init_walker(key: Any) -> dict:
-                    r = neural.systems.init_walkers(key, system, 1, jnp.float64)[0]
-                    return {"r": r, "log_psi": jnp.zeros((), jnp.float64)}
-
-                walkers = sv.initialize_walkers_sharded(init_walker, n, key=jax.random.key(0))
-                walkers = neural.make_kernels(mesh, None).refresh(params, walkers, system)
-                train, evaluate = neural.make_steps(config, mesh)
-                t = jnp.asarray(0.0, jnp.float64)
-                for name, step, extra in (("optimisation", train, (t,)), ("evaluation", evaluate, ())):
+                _, train, evaluate = neural.make_steps(config, mesh)
+                state, walkers = neural.initial_state(config, mesh)  # includes the burn-in's evaluation steps
+                n_params = int(ravel_pytree(state.params)[0].size)
+                for name, step, extra in (("optimisation", train, ()), ("evaluation", evaluate, ())):
                     if name not in sizes.neural_steps:
                         continue
                     start = time.perf_counter()

@@ -338,7 +338,6 @@ def neural_step(report: Any, facts: dict[str, Any], mesh: Any, args: argparse.Na
 
     import harness
     import jax
-    import jax.numpy as jnp
     import numpy as np
     from jax.flatten_util import ravel_pytree
 
@@ -356,19 +355,10 @@ def neural_step(report: Any, facts: dict[str, Any], mesh: Any, args: argparse.Na
     with jax.enable_x64(True), sv.use_mesh(mesh):
         for optimiser in ("minsr", "cg"):
             config = dataclasses.replace(neural.Config(), walkers=n, optimiser=optimiser)
-            system = neural.SYSTEMS[config.system]
-            params = sv.replicate(neural.init_params(config, jnp.float64), mesh)
-            n_params = int(ravel_pytree(params)[0].size)
-            zeros = sv.replicate(jnp.zeros((n_params,), jnp.float64), mesh)
-            state = neural.State(params, zeros, sv.replicate(jnp.asarray(0.3, jnp.float64), mesh))
-
-            def init_walker(key: Any, system: Any = system) -> dict:
-                return {"r": neural.systems.init_walkers(key, system, 1, jnp.float64)[0], "log_psi": jnp.zeros(())}
-
-            walkers = sv.initialize_walkers_sharded(init_walker, n, key=jax.random.key(0))
-            walkers = neural.make_kernels(mesh, None).refresh(params, walkers, system)
-            train, _ = neural.make_steps(config, mesh)
-            step = train.lower(state, walkers, jax.random.key(1), jnp.asarray(0.0)).compile()
+            _, train, _ = neural.make_steps(config, mesh)
+            state, walkers = neural.initial_state(config, mesh)
+            n_params = int(ravel_pytree(state.params)[0].size)
+            step = train.lower(state, walkers, jax.random.key(1)).compile()
             settings = (
                 [(None, "default threads")]
                 if blas is None
@@ -379,7 +369,7 @@ def neural_step(report: Any, facts: dict[str, Any], mesh: Any, args: argparse.Na
                 def thunk(step: Any = step, state: Any = state, walkers: Any = walkers, k: Any = k) -> Any:
                     if k is not None:
                         blas[0](k)
-                    return step(state, walkers, jax.random.key(2), jnp.asarray(0.0))
+                    return step(state, walkers, jax.random.key(2))
 
                 thunks[f"{optimiser}, {label}"] = thunk
         times = harness.interleaved(thunks, args.breakdown_reps)
