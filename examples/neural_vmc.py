@@ -286,10 +286,10 @@ def make_steps(config: Config, mesh: Any) -> tuple[Any, Callable[..., Any], Call
 # --8<-- [end:step]
 
 
-def initial_state(config: Config, mesh: Any) -> tuple[State, sv.WalkerSet]:
-    """Parameters, optimiser state and walkers equilibrated in the initial wavefunction."""
+def initial_state(config: Config, mesh: Any, *, equilibrate: bool = True) -> tuple[State, sv.WalkerSet]:
+    """Parameters, optimiser state and walkers, equilibrated in the initial wavefunction (:func:`burn_in`)."""
     system, dtype, root = SYSTEMS[config.system], _dtype(config), jax.random.key(config.seed)
-    optimiser, _, evaluate = make_steps(config, mesh)
+    optimiser, _, _ = make_steps(config, mesh)
     params = sv.replicate(init_params(config), mesh)
 
     def init_walker(key: jax.Array) -> dict:
@@ -303,6 +303,13 @@ def initial_state(config: Config, mesh: Any) -> tuple[State, sv.WalkerSet]:
     else:
         opt = jax.jit(optimiser.init)(params)
     state = State(params, opt, sv.replicate(jnp.asarray(config.step_size, dtype), mesh))
+    return burn_in(config, mesh, state, walkers) if equilibrate else (state, walkers)
+
+
+def burn_in(config: Config, mesh: Any, state: State, walkers: sv.WalkerSet) -> tuple[State, sv.WalkerSet]:
+    """``config.burn_in`` Metropolis moves with the parameters fixed (and the step size adapting)."""
+    _, _, evaluate = make_steps(config, mesh)
+    root = jax.random.key(config.seed)
     for i in range(-(-config.burn_in // config.sweeps)):  # the same compiled step as the evaluation's
         state, walkers, _ = evaluate(state, walkers, jax.random.fold_in(root, 2**31 + i))
     return state, walkers
@@ -339,7 +346,7 @@ def run(
     saves = plumbing.Checkpoints(checkpoint, checkpoint_every, ("energy", "variance", "acceptance"))
     with jax.enable_x64(config.x64), sv.use_mesh(mesh):
         _, train, evaluate = make_steps(config, mesh)
-        state, walkers = initial_state(config, mesh)
+        state, walkers = initial_state(config, mesh, equilibrate=False)  # a resume needs only its structure
         history: list[list[float]] = []
         restored = saves.restore({"state": state, "walkers": walkers}, mesh) if resume else None
         if restored is not None:
@@ -350,12 +357,15 @@ def run(
                 raise SystemExit(f"{checkpoint} was written with other settings: {sorted(differ)}")
             state, walkers = saved["state"], saved["walkers"]
             printer(f"resumed from {checkpoint} at step {metadata['step']}")
+        else:
+            state, walkers = burn_in(config, mesh, state, walkers)
         sv.distributed.check_consistent(state.params)  # every process holds the same parameters
 
         first = len(history)
         progress = plumbing.Progress(total, first, config.walkers, printer, max(total // 20, 1) if print_every is None
                                      else print_every, bar)  # fmt: skip
         status, compile_seconds = "finished" if end == total else "stopped", None
+        metadata = {"config": dataclasses.asdict(config)}
         for t in range(first, end):
             t0 = time.perf_counter()
             step = train if t < config.steps else evaluate
@@ -366,7 +376,6 @@ def run(
             if not np.isfinite(history[-1][0]):
                 raise FloatingPointError(f"the energy is {history[-1][0]} at step {t + 1}")
             saves.record(history)
-            metadata = {"config": dataclasses.asdict(config)}
             if saves.after_step(t + 1, lambda: {"state": state, "walkers": walkers}, metadata, last=t + 1 == end):
                 status = "preempted"
                 break

@@ -145,6 +145,7 @@ class Checkpoints:
         self.every, self.columns = every, list(columns)
         self.directory = None if directory is None else Path(directory)
         self.manager = None if self.directory is None else sv.Checkpointer(self.directory / "state")
+        self._length = -1  # rows in stats.csv as this process last wrote it (-1: not written yet)
 
     def restore(self, like: Any, mesh: Any) -> tuple[Any, dict[str, Any], list[list[float]]] | None:
         """``(state, metadata, history)`` of the latest step, or ``None`` when there is none."""
@@ -173,8 +174,6 @@ class Checkpoints:
             with open(path, "a", newline="") as f:
                 csv.writer(f).writerow([repr(v) for v in history[-1]])
         self._length = len(history)
-
-    _length = -1  # rows in stats.csv as this process last wrote it (-1: not written yet)
 
     def after_step(self, step: int, state: Callable[[], Any], metadata: dict[str, Any], last: bool) -> bool:
         """Save at the cadence, at the ``last`` step, or on a preemption notice; ``True``: stop now (preempted).
