@@ -405,6 +405,39 @@ def _relayout(x: jax.Array, target: int, saved: int, sharding: NamedSharding) ->
     return jax.lax.with_sharding_constraint(out, sharding)
 
 
+def _check_stored(where: str, directory: Path, header: dict[str, Any]) -> None:
+    """The arrays orbax holds against the header, from orbax's metadata alone.
+
+    orbax-checkpoint 0.12.8 raises on the first array read that fails and leaves the others running on an event
+    loop it has closed: they report unraisable errors later, in whatever code runs then. A damaged or edited
+    checkpoint is caught here, before any read starts.
+    """
+    ocp = _orbax()
+    from etils import epath  # orbax-checkpoint's own path type (installed with it)
+
+    handler = ocp.PyTreeCheckpointHandler()
+    try:
+        stored = handler.metadata(epath.Path(directory / _ARRAYS)).tree
+    except Exception as err:
+        raise _broken(where, directory, "has arrays that cannot be read.", got=f"{type(err).__name__}: {err}") from None
+    finally:
+        handler.close()
+    for i, entry in enumerate(header["leaves"]):
+        if entry["kind"] == "python":
+            continue
+        shape, dtype = _stored_struct(entry)
+        meta = stored.get(str(i)) if isinstance(stored, dict) else None
+        if meta is None:
+            raise _broken(where, directory, f"is inconsistent: leaf {entry['path']} has no stored array.")
+        if tuple(meta.shape) != shape or np.dtype(meta.dtype) != np.dtype(dtype):
+            raise _broken(
+                where,
+                directory,
+                f"is inconsistent: leaf {entry['path']} is stored as another array than its header says.",
+                got=f"stored {np.dtype(meta.dtype)}{list(meta.shape)}, header {np.dtype(dtype)}{list(shape)}",
+            )
+
+
 def _restore(
     where: str,
     manager: Any,
@@ -453,6 +486,7 @@ def _restore(
             restore_args[str(i)] = ocp.RestoreArgs(restore_type=np.ndarray)
     arrays: dict[str, Any] = {}
     if restore_args:
+        _check_stored(where, directory, header)
         try:
             arrays = manager.restore(
                 step, args=ocp.args.Composite(**{_ARRAYS: ocp.args.PyTreeRestore(restore_args=restore_args)})

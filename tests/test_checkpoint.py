@@ -1135,7 +1135,7 @@ def _remove_arrays(path: Path) -> None:
         (_edit_state_header(lambda h: h["walker_sets"][0].update(n_valid=0)), "malformed header: its walker sets"),
         (_edit_state_header(lambda h: h["walker_sets"][0].update(n_valid=17)), "malformed header: its walker sets"),
         (_state_leaf("['key']", "key_impl", "no_such_rng"), "'no_such_rng' is not a PRNG key implementation"),
-        (_state_leaf("['key']", "key_impl", "rbg"), "cannot be read"),
+        (_state_leaf("['key']", "key_impl", "rbg"), "leaf ['key'] is stored as another array than its header says"),
         (_state_leaf("['params']['a']", "dtype", "float99"), "dtype 'float99' is not a dtype"),
         (_state_leaf("['step']", "value", "seven"), "malformed header: leaf ['step'] holds 'seven'"),
         (_state_leaf("['walkers'].data['r']", "shape", [12, 2, 3]), "is inconsistent: leaf ['walkers'].data['r']"),
