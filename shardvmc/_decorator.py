@@ -27,8 +27,8 @@ from ._kernel import (
     raised_in_body,
 )
 from ._markers import Kind, Layout, missing_markers_error, parse
-from ._mesh import resolve_mesh
-from ._plan import KernelSpec, Plan, PlanKey, auto_signature, make_plan
+from ._mesh import resolve_mesh, use_mesh_is_set
+from ._plan import KernelSpec, Plan, PlanKey, auto_signature, make_plan, pinned_out_shardings
 from ._walkerset import WalkerSet, check_n_valid, first_count, split_walker_set
 
 __all__ = ["WalkerParallel", "replicated_args", "walker_parallel"]
@@ -46,6 +46,14 @@ def _is_leaf_type(x: Any) -> bool:
         _ARRAY_TYPES.add(kind)
         return True
     return False
+
+
+# Set on an exception that left the fast path's trace: the engine or the user's function raised it, already explained.
+_TRACED_ERROR = "_shardvmc_traced"
+
+
+class _NotFast(Exception):
+    """Raised in the fast path's trace when the plan must run outside ``jax.jit``."""
 
 
 class WalkerParallel:
@@ -84,6 +92,13 @@ class WalkerParallel:
         self._spec = KernelSpec.of(fn, layout, options, self._qualname)
         self._no_parts: tuple[None, ...] = (None,) * len(self._spec.dyn_idx)
         self._auto = options.batch_size == "auto"
+        # The fast path: a call with positional arguments runs as one jax.jit of the plan path, so that jax.jit's
+        # C++ dispatch checks the signature, not Python (the plan path costs a few microseconds per call, which
+        # decides the time of a small kernel). Built at the first call; batch_size="auto" measures programs while
+        # planning: plan path only.
+        self._fast: Callable[..., Any] | None = None if self._auto else self._first_fast_call
+        self._fast_out: Any = None  # the out_shardings of the fast path's jit
+        self._walker_args = tuple(self._spec.dyn_idx[j] for j in self._spec.walker_idx)  # positions of PerWalker
         # A call with every argument positional skips Signature.bind (the common case). -1 matches no call: with a
         # missing marker every call goes through _arguments, which reports it.
         self._n_params = -1 if self._missing else len(layout.signature.parameters)
@@ -267,9 +282,76 @@ class WalkerParallel:
         mode = inside_kernel()
         if mode is not None:
             return self._nested_call(mode, args, kwargs)
+        fast = self._fast
+        if (
+            fast is not None
+            and not kwargs
+            and len(args) == self._n_params
+            and (n_valid is None or self._fast_n_valid(args, n_valid))
+            and (self._mesh is not None or not use_mesh_is_set())
+        ):
+            try:
+                return fast(*args) if n_valid is None else fast(*args, n_valid=n_valid)
+            except _NotFast:
+                self._fast = None
+            except Exception as err:
+                if getattr(err, _TRACED_ERROR, False) or isinstance(err, ShardvmcError):
+                    raise  # raised by the engine or the user's function while tracing: already explained
+                # Not traced: jax.jit refused the arguments (non-array leaves of a model container, an unhashable
+                # Static value, arrays on other devices). The plan path takes them or explains why not.
+                out = self._call(args, n_valid)
+                self._fast = None  # such arguments would be refused every time
+                return out
         if kwargs or len(args) != self._n_params:
             args = self._arguments(args, kwargs)
+        return self._call(args, n_valid)
+
+    def _first_fast_call(self, *args: Any, n_valid: Any = None) -> Any:
+        """Build the fast path's jit for the mesh of this call, and call it."""
+        mesh = resolve_mesh(self._mesh, self._options.axis_name, where=self._qualname)
+        self._fast_out = pinned_out_shardings(self._layout, mesh, self._options.axis_name)
+        self._fast = jax.jit(self._fast_body, static_argnums=self._spec.static_idx, out_shardings=self._fast_out)
+        return self._fast(*args) if n_valid is None else self._fast(*args, n_valid=n_valid)
+
+    def _fast_n_valid(self, args: tuple[Any, ...], n_valid: Any) -> bool:
+        """Whether ``n_valid`` may be traced by the fast path: a Python int in range, with array walkers.
+
+        Anything else (a WalkerSet, whose count ``n_valid`` must equal, an array count, one out of range) takes
+        the plan path, which checks the concrete value and explains it.
+        """
+        if type(n_valid) is not int or not self._walker_args:
+            return False
+        for i in self._walker_args:
+            if type(args[i]) is WalkerSet:
+                return False
+        shape = getattr(args[self._walker_args[0]], "shape", None)
+        return bool(shape) and 0 < n_valid <= shape[0]
+
+    def _fast_body(self, *args: Any, n_valid: Any = None) -> Any:
+        """The fast path's traced function: the plan path, run inside ``jax.jit``."""
+        try:
+            plan, dyn, n_valid, count = self._prepare(args, n_valid)
+            if (
+                plan.replicated_check == "values"
+                or plan.out_shardings != self._fast_out
+                or _compat.context_mesh_differs(plan.mesh)
+            ):
+                # Comparing Replicated outputs across devices raises only at a concrete call (under jax.jit it
+                # could only poison the outputs); a plan on another mesh may pin other output shardings than
+                # the fast path's jit has; a kernel's own mesh inside another jax.set_mesh is entered outside
+                # jax.jit. The plan path runs those.
+                raise _NotFast
+            return self._run(plan, dyn, n_valid, count)
+        except Exception as err:
+            setattr(err, _TRACED_ERROR, True)
+            raise
+
+    def _call(self, args: tuple[Any, ...], n_valid: Any) -> Any:
+        """The plan path: look the plan up in Python and run its program."""
         plan, dyn, n_valid, count = self._prepare(args, n_valid)
+        return self._run(plan, dyn, n_valid, count)
+
+    def _run(self, plan: Plan, dyn: tuple[Any, ...], n_valid: Any, count: int | None) -> Any:
         try:
             if _compat.context_mesh_differs(plan.mesh):
                 with jax.set_mesh(plan.mesh):

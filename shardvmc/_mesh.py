@@ -105,6 +105,11 @@ def resolve_mesh(mesh: Mesh | None, axis_name: str | tuple[str, ...] = "walkers"
     return mesh
 
 
+def use_mesh_is_set() -> bool:
+    """Whether a :func:`use_mesh` context is active (JAX's own mesh contexts are not counted)."""
+    return _CURRENT_MESH.get() is not None
+
+
 @contextlib.contextmanager
 def use_mesh(mesh: Mesh) -> Iterator[Mesh]:
     """Make ``mesh`` the default for every shardvmc function called with ``mesh=None``.

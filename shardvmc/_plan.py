@@ -126,12 +126,20 @@ class Plan:
             devices, read at the first concrete call).
     """
 
-    __slots__ = ("batch_size", "call", "key", "mesh", "replicated_check", "run", "spec", "_unchecked")
+    __slots__ = ("batch_size", "call", "key", "mesh", "out_shardings", "replicated_check", "run", "spec", "_unchecked")
 
     def __init__(
-        self, spec: KernelSpec, key: PlanKey, run: jax.stages.Wrapped, batch_size: int | None, replicated_check: str
+        self,
+        spec: KernelSpec,
+        key: PlanKey,
+        run: jax.stages.Wrapped,
+        batch_size: int | None,
+        replicated_check: str,
+        out_shardings: Any = None,
     ) -> None:
         self.spec = spec
+        self.out_shardings = out_shardings
+        """The ``out_shardings`` ``run`` is jitted with (``None``: XLA's own)."""
         self.key = key
         self.mesh: Mesh = key.mesh
         """The mesh the program runs on."""
@@ -271,17 +279,22 @@ def _check_statics(spec: KernelSpec, statics: tuple[Any, ...]) -> None:
                 )
 
 
+def pinned_out_shardings(layout: Layout, mesh: Mesh, axis_name: str | tuple[str, ...]) -> Any:
+    """The ``out_shardings`` a kernel's program is jitted with on ``mesh`` (``None``: XLA's own).
+
+    shard_map's out_specs give per-walker outputs P(axis) on a mesh of several devices. On one device XLA
+    reports P() instead, so the spec is pinned with out_shardings there only: on more devices, pinned
+    shardings become the required shardings of the cotangents when a caller differentiates eagerly.
+    """
+    return output_shardings(layout, mesh, axis_name) if mesh.size == 1 else None
+
+
 def make_plan(spec: KernelSpec, key: PlanKey, dyn: tuple[Any, ...], n_valid: Any) -> Plan:
     """Build the plan of ``spec`` for the call signature ``key`` (the arguments of that call: ``dyn``)."""
     _check_statics(spec, key.statics)
     options = spec.options
     mesh = key.mesh
-    size = _compat.axis_size(mesh, options.axis_name)
-    # shard_map's out_specs give per-walker outputs P(axis) on a mesh of several devices. On one device XLA
-    # reports P() instead, so the spec is pinned with out_shardings there only: on more devices, pinned
-    # shardings become the required shardings of the cotangents when a caller differentiates eagerly.
-    even = key.n_walkers % size == 0
-    shardings = output_shardings(spec.layout, mesh, options.axis_name) if even and mesh.size == 1 else None
+    shardings = pinned_out_shardings(spec.layout, mesh, options.axis_name)
     outputs = spec.layout.output if isinstance(spec.layout.output, tuple) else (spec.layout.output,)
     check = "none"
     if options.batched and options.checks and Kind.REPLICATED in outputs:
@@ -300,7 +313,7 @@ def make_plan(spec: KernelSpec, key: PlanKey, dyn: tuple[Any, ...], n_valid: Any
         run, chunk = _largest_fitting_chunk(spec, jitted, key, dyn, n_valid)
     else:
         run, chunk = jitted(options), options.batch_size
-    return Plan(spec, key, run, chunk if isinstance(chunk, int) else None, check)
+    return Plan(spec, key, run, chunk if isinstance(chunk, int) else None, check, shardings)
 
 
 def _largest_fitting_chunk(

@@ -1,5 +1,6 @@
 """walker_parallel against an unsharded jax.vmap reference, on meshes of 1, 3 and 8 devices."""
 
+import sys
 import warnings
 
 import chex
@@ -95,7 +96,8 @@ def test_traced_n_valid_inside_jit_and_no_retrace():
     e(PARAMS, r)
     e(PARAMS, r, n_valid=5)
     e(PARAMS, r, n_valid=6)  # a new n_valid value is data, not a new trace
-    assert len(traces) == 3
+    # two programs: all walkers valid, and a traced count (the jitted step's, whose trace these calls reuse)
+    assert len(traces) == 2
 
 
 def test_walker_key_streams_do_not_depend_on_device_count():
@@ -285,6 +287,61 @@ def test_works_inside_jit_and_exposes_lower_and_wrapped():
     np.testing.assert_allclose(out, jax.vmap(log_psi, (None, 0))(PARAMS, r).mean(), rtol=1e-5)
     assert isinstance(stats.lower(PARAMS, r), jax.stages.Lowered)
     assert stats.__name__ == "stats" and stats.__wrapped__.__name__ == "stats"
+
+
+def _engine_calls(call):
+    """The names of the shardvmc functions Python enters during ``call()``."""
+    seen = []
+
+    def profile(frame, event, arg):
+        if event == "call" and "/shardvmc/" in frame.f_code.co_filename.replace("\\", "/"):
+            seen.append(frame.f_code.co_name)
+
+    sys.setprofile(profile)
+    try:
+        out = call()
+    finally:
+        sys.setprofile(None)
+    return out, seen
+
+
+def test_a_repeated_call_is_dispatched_by_jax_jit_without_the_plan_lookup():
+    kernel = sv.walker_parallel(stats.__wrapped__, mesh=sv.create_mesh())
+    r = sv.shard_walker(positions(16), sv.create_mesh())
+    first, _ = _engine_calls(lambda: kernel(PARAMS, r))  # traced and compiled: the plan path, inside jax.jit
+    again, seen = _engine_calls(lambda: kernel(PARAMS, r))
+    assert "_prepare" not in seen and len(seen) <= 4, seen
+    chex.assert_trees_all_equal(again, first)
+    check_against_reference(again, reference(PARAMS, r, 16), sv.create_mesh(), 16, sharded=True)
+    # keyword arguments take the plan path; its program gives the same numbers
+    planned, seen = _engine_calls(lambda: kernel(PARAMS, r=r))
+    assert "_prepare" in seen
+    chex.assert_trees_all_equal(planned, first)
+    # an int n_valid= is traced: one program for every count, checked in Python before the call
+    kernel(PARAMS, r, n_valid=9)
+    for n_valid in (9, 3):
+        out, seen = _engine_calls(lambda: kernel(PARAMS, r, n_valid=n_valid))
+        assert "_prepare" not in seen, seen
+        check_against_reference(out, reference(PARAMS, r, n_valid), sv.create_mesh(), 16, sharded=True)
+    for bad in (0, 17):
+        with pytest.raises(sv.CallError, match=f"n_valid={bad} is outside 1..16"):
+            kernel(PARAMS, r, n_valid=bad)
+    with pytest.raises(sv.CallError, match="disagrees with the count"):
+        kernel(PARAMS, sv.WalkerSet(r, 12), n_valid=9)
+
+
+def test_arguments_jax_jit_refuses_run_on_the_plan_path():
+    @sv.walker_parallel
+    def scaled(model: Replicated, r: PerWalker) -> Mean:
+        return model["act"](model["a"] * jnp.sum(r**2))
+
+    model = {"a": jnp.float32(0.5), "act": jnp.tanh}  # a function: compiled in, which jax.jit cannot take
+    r = positions(16)
+    expected = jnp.mean(jax.vmap(lambda x: jnp.tanh(0.5 * jnp.sum(x**2)))(r))
+    for _ in range(2):
+        np.testing.assert_allclose(scaled(model, r), expected, rtol=1e-6)
+    with pytest.raises(sv.CallError, match="unhashable"):  # a fresh kernel: from its fast path
+        scaled.with_options()({"a": jnp.float32(0.5), "act": jnp.tanh, "bad": bytearray(b"x")}, r)
 
 
 def test_mesh_is_resolved_at_call_time():
