@@ -235,6 +235,13 @@ def call_overhead(cfg: Config, report: Report) -> None:
             pass
         return hand(alpha, r)
 
+    class Forward:
+        """The least a Python wrapper can do: a class whose __call__ forwards to the jitted function."""
+
+        def __call__(self, *args: Any) -> Any:
+            return hand(*args)
+
+    forward = Forward()
     alpha = sv.replicate(jnp.float32(0.5), mesh)
     r = sv.shard_walker(np.ones((n, 3), np.float32), mesh)
     report.facts["tiny_rel_diff"] = max(
@@ -247,18 +254,20 @@ def call_overhead(cfg: Config, report: Report) -> None:
         "decorated_n_valid": lambda: tiny_mean(alpha, r, n_valid=n - 1),
         "hand_n_valid": lambda: hand_mean(alpha, r, n - 1),
         "hand_2us": lambda: hand_after_python(2.0),
+        "hand_forwarded": lambda: forward(alpha, r),
     }
     waited = interleaved(
         {k: (lambda f=f: f().block_until_ready()) for k, f in thunks.items()}, cfg.reps, cfg.tiny_calls
     )
     # Only kernels without collectives are queued: on fake CPU devices a deep queue of programs with an
     # all-reduce can deadlock XLA's rendezvous (seen here: 7 of 8 device threads arrived, abort after 40 s).
-    no_collectives = ("decorated", "hand", "hand_2us")
+    no_collectives = ("decorated", "hand", "hand_2us", "hand_forwarded")
     queued = interleaved({k: thunks[k] for k in no_collectives}, cfg.reps, cfg.tiny_calls)
     for a, b, what, goal in (
         ("decorated", "hand", "decorated / jitted hand-written", "<= 1.05"),
         ("decorated_n_valid", "hand_n_valid", "Mean, n_valid=: decorated / jitted hand-written masked mean", "<= 1.05"),
         ("hand_2us", "hand", "calibration: hand-written after 2 us of Python busy-wait / hand-written", ""),
+        ("hand_forwarded", "hand", "calibration: hand-written behind a forwarding Python class / hand-written", ""),
     ):
         for mode, times in (("each call waited for", waited), ("calls queued, wait for the last", queued)):
             if a not in times:
