@@ -314,18 +314,22 @@ class WalkerParallel:
         return self._fast(*args) if n_valid is None else self._fast(*args, n_valid=n_valid)
 
     def _fast_n_valid(self, args: tuple[Any, ...], n_valid: Any) -> bool:
-        """Whether ``n_valid`` may be traced by the fast path: a Python int in range, with array walkers.
+        """Whether ``n_valid`` may be traced by the fast path: a Python int, with walkers that are not WalkerSets.
 
-        Anything else (a WalkerSet, whose count ``n_valid`` must equal, an array count, one out of range) takes
-        the plan path, which checks the concrete value and explains it.
+        Its range is checked here, by the plan path's own rule (``check_n_valid``), since the traced value
+        cannot be. Anything else (a WalkerSet, whose count ``n_valid`` must equal, an array count) takes the
+        plan path, which checks the concrete value and explains it.
         """
         if type(n_valid) is not int or not self._walker_args:
             return False
         for i in self._walker_args:
             if type(args[i]) is WalkerSet:
                 return False
-        shape = getattr(args[self._walker_args[0]], "shape", None)
-        return bool(shape) and 0 < n_valid <= shape[0]
+        n = first_count(args[self._walker_args[0]])
+        if n is None:
+            return False
+        check_n_valid(self._qualname, n_valid, n)
+        return True
 
     def _fast_body(self, *args: Any, n_valid: Any = None) -> Any:
         """The fast path's traced function: the plan path, run inside ``jax.jit``."""
