@@ -25,7 +25,6 @@ the figure is the median over repetitions of the per-block ratio of step times.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import statistics
@@ -34,8 +33,6 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _request_devices(n: int) -> None:
@@ -157,18 +154,10 @@ def io(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
-def _example() -> Any:
-    sys.path.insert(0, str(ROOT / "examples"))  # the example's plumbing and models, as `python examples/...` has them
-    spec = importlib.util.spec_from_file_location("neural_vmc", ROOT / "examples" / "neural_vmc.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["neural_vmc"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 def steps(args: argparse.Namespace) -> dict[str, Any]:
-    nv = _example()
+    from harness import neural_example
+
+    nv = neural_example()
     import jax
     import numpy as np
     from jax.flatten_util import ravel_pytree

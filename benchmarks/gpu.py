@@ -38,7 +38,6 @@ Usage (from the repository root)::
 
 import argparse
 import dataclasses
-import importlib.util
 import json
 import os
 import sys
@@ -375,15 +374,12 @@ def solver_rows(guard: Guard, mesh: Any, sizes: Sizes) -> None:
 def neural_rows(guard: Guard, mesh: Any, sizes: Sizes, optimiser: str) -> None:
     """The neural workload's optimisation and evaluation steps, timed, and their memory."""
     import jax
+    from harness import neural_example
     from jax.flatten_util import ravel_pytree
 
     import shardvmc as sv
 
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples", "neural_vmc.py")
-    spec = importlib.util.spec_from_file_location("neural_vmc", path)
-    neural = importlib.util.module_from_spec(spec)
-    sys.modules["neural_vmc"] = neural
-    spec.loader.exec_module(neural)
+    neural = neural_example()
     base = neural.Config(**neural.QUICK) if sizes.neural_quick else neural.Config()
     report = guard.report
     for n in sizes.neural_walkers:

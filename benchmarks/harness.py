@@ -7,10 +7,13 @@ Load from other processes then slows both sides of a pair alike.
 """
 
 import dataclasses
+import importlib.util
 import re
 import statistics
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import folx
@@ -22,6 +25,22 @@ from jax.sharding import PartitionSpec as P
 import shardvmc as sv
 
 AXIS = "walkers"
+
+
+def neural_example() -> Any:
+    """``examples/neural_vmc.py`` loaded as the module ``neural_vmc``, with ``examples/`` on the path.
+
+    As ``python examples/neural_vmc.py`` has it: the example imports its ``models`` and ``plumbing`` from there.
+    """
+    examples = Path(__file__).resolve().parents[1] / "examples"
+    if str(examples) not in sys.path:
+        sys.path.insert(0, str(examples))
+    spec = importlib.util.spec_from_file_location("neural_vmc", examples / "neural_vmc.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["neural_vmc"] = module  # the example's dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
 
 
 def fill_defaults(args: Any, defaults: dict[str, Any], quick: dict[str, Any]) -> Any:

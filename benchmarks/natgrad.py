@@ -334,7 +334,6 @@ def breakdown(report: Any, facts: dict[str, Any], mesh: Any, args: argparse.Name
 def neural_step(report: Any, facts: dict[str, Any], mesh: Any, args: argparse.Namespace) -> None:
     """The neural example's optimisation step (Li, float64) with minSR and with CG, interleaved."""
     import dataclasses
-    import importlib.util
 
     import harness
     import jax
@@ -343,12 +342,7 @@ def neural_step(report: Any, facts: dict[str, Any], mesh: Any, args: argparse.Na
 
     import shardvmc as sv
 
-    here = os.path.dirname(os.path.abspath(__file__))
-    sys.path.insert(0, os.path.join(os.path.dirname(here), "examples"))
-    spec = importlib.util.spec_from_file_location("neural_vmc", os.path.join(here, "..", "examples", "neural_vmc.py"))
-    neural = importlib.util.module_from_spec(spec)
-    sys.modules["neural_vmc"] = neural
-    spec.loader.exec_module(neural)
+    neural = harness.neural_example()
     blas = openblas_threads()
     n = args.breakdown_walkers
     thunks: dict[str, Any] = {}
