@@ -21,6 +21,7 @@ __all__ = [
     "get_walker_sharding",
     "is_multi_gpu",
     "n_devices",
+    "call_mesh",
     "resolve_mesh",
     "use_mesh",
 ]
@@ -105,9 +106,57 @@ def resolve_mesh(mesh: Mesh | None, axis_name: str | tuple[str, ...] = "walkers"
     return mesh
 
 
-def use_mesh_is_set() -> bool:
-    """Whether a :func:`use_mesh` context is active (JAX's own mesh contexts are not counted)."""
-    return _CURRENT_MESH.get() is not None
+_CallMesh = tuple[Mesh, "str | tuple[str, ...]", "Mesh | None"]
+_OWN_MESHES: dict[tuple[Mesh, Any], _CallMesh] = {}  # a kernel's checked mesh, with no context mesh set
+
+
+def call_mesh(mesh: Mesh | None, axis_name: str | tuple[str, ...], where: str) -> _CallMesh:
+    """Where a kernel call computes: ``(mesh, walker axes, mesh to enter around the call or None)``.
+
+    JAX types every array of a traced computation by the mesh of its context (``jax.set_mesh``,
+    ``jax.sharding.set_mesh``), and ``shard_map`` refuses a mesh other than the context's.
+    So a call runs on:
+
+    - the context mesh when one is set and the kernel has no mesh of its own (walkers split
+      over the kernel's axes when the context mesh has them, else over all of its axes, as
+      on a mesh set by another library, such as NetKet's ``("S",)``);
+    - the context mesh when the kernel's own mesh (``mesh=``, ``sv.use_mesh``) spans the same
+      devices in the same order: the walkers land on the same devices, split over all of the
+      context mesh's axes;
+    - the kernel's own mesh otherwise, entered with ``jax.set_mesh`` around the call (JAX
+      allows that outside a trace only; inside one, one computation runs on one set of
+      devices: the kernel raises a ``CallError`` that says so);
+    - with no context mesh, the kernel's mesh (or all devices), with Auto axes: an Explicit
+      mesh's types would need a mesh context for the cotangents of an eager ``jax.grad``.
+
+    Called on every kernel call: the common cases are dictionary lookups.
+    """
+    chosen = mesh if mesh is not None else _CURRENT_MESH.get()
+    context = _compat.get_concrete_mesh()
+    if context is None or context.empty:
+        if chosen is None:
+            return _default_mesh(axis_name), axis_name, None
+        try:
+            return _OWN_MESHES[chosen, axis_name]
+        except KeyError:
+            checked = resolve_mesh(chosen, axis_name, where=where)
+            if len(_OWN_MESHES) > 64:  # meshes are few; a program that builds many keeps this bounded
+                _OWN_MESHES.clear()
+            found = _OWN_MESHES[chosen, axis_name] = (_compat.auto_axes_mesh(checked), axis_name, None)
+            return found
+    names = (axis_name,) if isinstance(axis_name, str) else axis_name
+    if chosen is None:
+        if all(name in context.shape for name in names):
+            return context, axis_name, None
+        return context, tuple(context.axis_names), None
+    chosen = resolve_mesh(chosen, axis_name, where=where)
+    if chosen == context:
+        return context, axis_name, None
+    if _compat.axis_size(chosen, axis_name) == chosen.size and tuple(chosen.devices.flat) == tuple(
+        context.devices.flat
+    ):
+        return context, tuple(context.axis_names), None
+    return chosen, axis_name, chosen
 
 
 @contextlib.contextmanager

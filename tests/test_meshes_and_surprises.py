@@ -73,10 +73,17 @@ def test_walkers_split_over_two_mesh_axes():
     np.testing.assert_array_equal(np.asarray(draw(jax.random.key(0), R)), np.asarray(flat))
 
 
-def test_a_jax_mesh_without_the_walker_axis_is_a_call_error():
-    with jax.set_mesh(jax.make_mesh((8,), ("data",))):
-        with pytest.raises(sv.CallError, match=r"(?s)no axis named 'walkers'.*axis_name="):
-            sv.walker_parallel(energy)(jnp.float32(0.5), R)
+def test_a_jax_mesh_without_the_walker_axis_runs_the_kernel_over_its_axes():
+    # Another library's mesh (NetKet sets ("S",) at import): the walkers are split over its axes.
+    expected = sv.walker_parallel(energy, mesh=sv.create_mesh(jax.devices()[:1]))(jnp.float32(0.5), R)
+    mesh = jax.make_mesh((jax.device_count(),), ("data",))
+    with jax.set_mesh(mesh):
+        kernel = sv.walker_parallel(energy)
+        for got in (kernel(jnp.float32(0.5), R), jax.jit(kernel)(jnp.float32(0.5), R)):
+            jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), got, expected)
+        assert kernel.explain(jnp.float32(0.5), R).walker_axis == ("data",)
+    with pytest.raises(sv.CallError, match=r"(?s)no axis named 'walkers'.*axis_name="):
+        sv.walker_parallel(energy, mesh=mesh)(jnp.float32(0.5), R)  # a mesh given to the kernel must have it
 
 
 # ---- no silent surprises ---------------------------------------------------------------------
