@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, overload
 
 import jax
@@ -15,7 +14,6 @@ import numpy as np
 from jax.core import Tracer
 from jax.sharding import Mesh
 
-from . import _compat
 from ._errors import CallError, DecorationError, ShardvmcError, UnhashableStaticError, message
 from ._kernel import (
     TRACED,
@@ -28,7 +26,7 @@ from ._kernel import (
     raised_in_body,
 )
 from ._markers import Kind, Layout, missing_markers_error, parse
-from ._mesh import call_mesh
+from ._mesh import call_mesh, entered_mesh, onto_mesh
 from ._plan import KernelSpec, Plan, PlanKey, auto_signature, make_plan, pinned_out_shardings, raise_if_disagree
 from ._walkerset import WalkerSet, check_n_valid, first_count, split_walker_set
 
@@ -62,49 +60,6 @@ def _n_valid_conflict(qualname: str, n_valid: Any, count: int) -> CallError:
             fix="drop n_valid= (the WalkerSet knows its count), or pass walkers.replace(n_valid=...).",
         )
     )
-
-
-def _onto(mesh: Mesh, args: tuple[Any, ...]) -> tuple[Any, ...]:
-    """Arrays committed to other devices than ``mesh``'s (made under the caller's mesh), replicated onto it.
-
-    Only for a kernel whose own mesh is not the caller's mesh context (see ``_mesh.call_mesh``);
-    the kernel shards them as its markers say.
-    """
-    devices = set(mesh.devices.flat)
-    target = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-
-    def move(x: Any) -> Any:
-        if isinstance(x, jax.Array) and not isinstance(x, Tracer) and x.sharding.device_set != devices:
-            return jax.device_put(x, target)
-        return x
-
-    return tuple(jax.tree_util.tree_map(move, a) for a in args)
-
-
-@contextlib.contextmanager
-def _entered(mesh: Mesh | None, qualname: str) -> Iterator[None]:
-    """``jax.set_mesh(mesh)`` around a call of a kernel whose own mesh is not the caller's (``None``: nothing)."""
-    if mesh is None:
-        yield
-        return
-    try:
-        context = jax.set_mesh(mesh)
-    except ValueError:
-        current = _compat.context_mesh()
-        raise CallError(
-            message(
-                qualname,
-                "the kernel's own mesh spans other devices than the mesh of the surrounding JAX transformation "
-                "(jax.set_mesh or jax.sharding.set_mesh), and one traced computation runs on one set of devices.",
-                got=f"kernel mesh {dict(mesh.shape)} on devices {[d.id for d in mesh.devices.flat]}, "
-                f"context mesh {dict(current.shape) if current is not None else {}} on devices "
-                f"{[d.id for d in current.devices.flat] if current is not None else []}",
-                fix="call the kernel outside jax.jit/grad/vmap there, give it mesh= of the context mesh's devices "
-                "(or no mesh=, to run on the context mesh), or trace the step inside jax.set_mesh(kernel mesh).",
-            )
-        ) from None
-    with context:
-        yield
 
 
 class WalkerParallel:
@@ -359,8 +314,8 @@ class WalkerParallel:
             if enter is None:
                 out = jitted(*args) if n_valid is None else jitted(*args, n_valid=n_valid)
             else:
-                args = _onto(enter, args)
-                with _entered(enter, self._qualname):
+                args = onto_mesh(enter, args)
+                with entered_mesh(enter, self._qualname):
                     out = jitted(*args) if n_valid is None else jitted(*args, n_valid=n_valid)
         except Exception as err:
             out = self._recover(err, jitted, args, n_valid, mesh, enter)
@@ -421,7 +376,7 @@ class WalkerParallel:
             raise unhashable from None
         if split is not None:
             dyn_args, parts = split
-            with _entered(enter, self._qualname):
+            with entered_mesh(enter, self._qualname):
                 return jitted(*dyn_args, parts=parts) if n_valid is None else jitted(*dyn_args, n_valid=n_valid,
                                                                                    parts=parts)  # fmt: skip
         if isinstance(err, (TypeError, ValueError)):
@@ -518,7 +473,7 @@ class WalkerParallel:
         kw: dict[str, Any] = {} if n_valid is None else {"n_valid": n_valid}
         if split is not None:
             args, kw["parts"] = split
-        with _entered(enter, self._qualname):
+        with entered_mesh(enter, self._qualname):
             return jitted.lower(*args, **kw)
 
     def explain(self, *args: Any, n_valid: Any = None, **kwargs: Any) -> Any:
@@ -551,7 +506,7 @@ class WalkerParallel:
         args = self._arguments(args, kwargs)
         plan, dyn, n_valid = self.plan(*args, n_valid=n_valid)
         _, _, enter = call_mesh(self._mesh, self._options.axis_name, self._qualname)
-        with _entered(enter, self._qualname):
+        with entered_mesh(enter, self._qualname):
             lowered = plan.lower(dyn, n_valid)
         return explain(plan, lowered, args, dyn, n_valid, warn_key=self)
 

@@ -22,6 +22,9 @@ __all__ = [
     "is_multi_gpu",
     "n_devices",
     "call_mesh",
+    "entered_mesh",
+    "mesh_of_arrays",
+    "onto_mesh",
     "resolve_mesh",
     "use_mesh",
 ]
@@ -157,6 +160,68 @@ def call_mesh(mesh: Mesh | None, axis_name: str | tuple[str, ...], where: str) -
     ):
         return context, tuple(context.axis_names), None
     return chosen, axis_name, chosen
+
+
+def mesh_of_arrays(tree: Any, axis_name: str | tuple[str, ...]) -> Mesh | None:
+    """The mesh the arrays of ``tree`` live on, when no mesh is chosen otherwise (``use_mesh``, ``jax.set_mesh``).
+
+    For functions that take arrays another kernel made (J, walkers): they run where those
+    live, instead of moving them to all devices. ``None`` when nothing is to be read (a
+    tracer, an array without a mesh, a chosen mesh, a mesh without the walker axes).
+    """
+    if _CURRENT_MESH.get() is not None or _compat.context_mesh() is not None:
+        return None
+    leaves = jax.tree_util.tree_leaves(tree)
+    if not leaves or not isinstance(leaves[0], jax.Array) or isinstance(leaves[0], jax.core.Tracer):
+        return None
+    sharding = leaves[0].sharding
+    if not isinstance(sharding, NamedSharding) or not leaves[0].committed:
+        return None
+    names = (axis_name,) if isinstance(axis_name, str) else axis_name
+    return sharding.mesh if all(n in sharding.mesh.shape for n in names) else None
+
+
+def onto_mesh(mesh: Mesh, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """Arrays committed to other devices than ``mesh``'s (made under the caller's mesh), replicated onto it.
+
+    Only for a kernel whose own mesh is not the caller's mesh context (see ``_mesh.call_mesh``);
+    the kernel shards them as its markers say.
+    """
+    devices = set(mesh.devices.flat)
+    target = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+    def move(x: Any) -> Any:
+        if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and x.sharding.device_set != devices:
+            return jax.device_put(x, target)
+        return x
+
+    return tuple(jax.tree_util.tree_map(move, a) for a in args)
+
+
+@contextlib.contextmanager
+def entered_mesh(mesh: Mesh | None, qualname: str) -> Iterator[None]:
+    """``jax.set_mesh(mesh)`` around a call of a kernel whose own mesh is not the caller's (``None``: nothing)."""
+    if mesh is None:
+        yield
+        return
+    try:
+        context = jax.set_mesh(mesh)
+    except ValueError:
+        current = _compat.context_mesh()
+        raise CallError(
+            message(
+                qualname,
+                "the kernel's own mesh spans other devices than the mesh of the surrounding JAX transformation "
+                "(jax.set_mesh or jax.sharding.set_mesh), and one traced computation runs on one set of devices.",
+                got=f"kernel mesh {dict(mesh.shape)} on devices {[d.id for d in mesh.devices.flat]}, "
+                f"context mesh {dict(current.shape) if current is not None else {}} on devices "
+                f"{[d.id for d in current.devices.flat] if current is not None else []}",
+                fix="call the kernel outside jax.jit/grad/vmap there, give it mesh= of the context mesh's devices "
+                "(or no mesh=, to run on the context mesh), or trace the step inside jax.set_mesh(kernel mesh).",
+            )
+        ) from None
+    with context:
+        yield
 
 
 @contextlib.contextmanager
