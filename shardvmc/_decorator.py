@@ -14,6 +14,7 @@ import numpy as np
 from jax.core import Tracer
 from jax.sharding import Mesh
 
+from . import _compat
 from ._errors import CallError, DecorationError, ShardvmcError, UnhashableStaticError, message
 from ._kernel import (
     TRACED,
@@ -26,7 +27,7 @@ from ._kernel import (
     raised_in_body,
 )
 from ._markers import Kind, Layout, missing_markers_error, parse
-from ._mesh import call_mesh, entered_mesh, onto_mesh
+from ._mesh import call_mesh, entered_mesh, mesh_of_arrays, onto_mesh
 from ._plan import KernelSpec, Plan, PlanKey, auto_signature, make_plan, pinned_out_shardings, raise_if_disagree
 from ._walkerset import WalkerSet, check_n_valid, first_count, split_walker_set
 
@@ -382,10 +383,21 @@ class WalkerParallel:
         if isinstance(err, (TypeError, ValueError)):
             error = concrete_argument_error(self._qualname, self._spec.dyn_params, self._spec.dyn_of(args), mesh)
             if error is not None:
+                # Walkers that another kernel left on its mesh, with no mesh chosen for this one: it runs there.
+                home = mesh_of_arrays([args[i] for i in self._walker_args], self._options.axis_name)
+                if self._mesh is None and home is not None and home != mesh:
+                    return self._call_on(home, args, n_valid)
                 raise error from err
         err.add_note(f"shardvmc: raised while running walker-parallel kernel {self._qualname} on mesh "
                      f"{dict(mesh.shape)}")  # fmt: skip
         raise err
+
+    def _call_on(self, mesh: Mesh, args: tuple[Any, ...], n_valid: Any) -> Any:
+        """The call on ``mesh`` (where its walkers live), its other arrays moved there."""
+        mesh = _compat.auto_axes_mesh(mesh)
+        jitted = self._jits.get((mesh, self._options.axis_name)) or self._jit_for(mesh, self._options.axis_name)
+        args = onto_mesh(mesh, args)
+        return jitted(*args) if n_valid is None else jitted(*args, n_valid=n_valid)
 
     def _n_valid_argument(self, args: tuple[Any, ...], n_valid: Any) -> Any:
         """``n_valid=`` as the program takes it: checked and traced (an int32 scalar), or dropped for a WalkerSet.
