@@ -91,7 +91,7 @@ def shard_walker(tree: Any, mesh: Mesh | None = None, axis_name: str = "walkers"
             mesh does not divide the walker count.
 
     Example:
-        >>> import numpy as np, shardvmc as sv
+        >>> import jax, numpy as np, shardvmc as sv
         >>> mesh = sv.create_mesh(jax.devices()[:2])
         >>> x = sv.shard_walker({"r": np.zeros((4, 2, 3)), "step": 0}, mesh)
         >>> x["r"].sharding.spec, x["step"].sharding.spec
@@ -211,7 +211,7 @@ def assemble_sharded(local_pytrees: Sequence[Any], mesh: Mesh | None = None, axi
         replicated (taken from the first local pytree).
 
     Example:
-        >>> import numpy as np, shardvmc as sv
+        >>> import jax, numpy as np, shardvmc as sv
         >>> mesh = sv.create_mesh(jax.devices()[:2])
         >>> x = sv.assemble_sharded([np.zeros((2, 3)), np.ones((2, 3))], mesh)
         >>> x.shape, x.sharding.spec
