@@ -136,7 +136,8 @@ def gloo_host() -> str | None:
 # Why, detaching: ``sv.distributed.initialize(fail_fast=True)`` lets a failing process leave
 # without JAX's shutdown barrier. JAX's exit handler calls ``jax.distributed.shutdown()``, whose
 # client waits (up to ``shutdown_timeout_seconds``, 300 s) for every process, and so does the
-# client's destructor; JAX 0.10.2 and 0.12 have no public way to leave without waiting (the
+# client's destructor at interpreter teardown (measured when this was written: a failing process
+# whose peer sleeps ends only when the peer does); JAX 0.10.2 and 0.12 have no public way to leave without waiting (the
 # public ``shutdown_timeout_seconds`` is process 0's service setting and bounds successful exits
 # too). So the objects are taken out of JAX's state and never released (``Py_IncRef`` through
 # ``ctypes``): no destructor runs, and the operating system closes their connections when the
