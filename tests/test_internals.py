@@ -8,6 +8,7 @@ so, to delete it).
 from __future__ import annotations
 
 import inspect
+import os
 import subprocess
 import sys
 import textwrap
@@ -56,7 +57,7 @@ def test_backends_initialized_and_distributed_settings_in_a_fresh_process():
         print(_internals.backends_initialized())
         """
     )
-    env = {"JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["False", "None", "True"]
