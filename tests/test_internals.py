@@ -189,3 +189,20 @@ def test_folx_still_calls_exit_while_tracing():
     """The reason vma_check_verdict catches SystemExit; when this fails, folx dropped it and the catch can go."""
     interpreter = pytest.importorskip("folx.interpreter")
     assert "exit()" in inspect.getsource(interpreter)
+
+
+# ---------------------------------------------------------------- the quarantine itself
+
+# The modules allowed to name another library's private modules: _internals (JAX), _kfac_compat (kfac-jax), and
+# _compat until its current-mesh getter comes from _internals.
+QUARANTINE = {"_internals", "_kfac_compat", "_compat"}
+
+
+def test_only_the_compatibility_modules_reach_into_private_modules():
+    found = {}
+    for path in sorted((ROOT / "shardvmc").glob("*.py")):
+        text = path.read_text()
+        uses = [word for word in ("jax._src", "kfac_jax._src", "ctypes") if word in text]
+        if uses and path.stem not in QUARANTINE:
+            found[path.name] = uses
+    assert not found, f"private APIs outside shardvmc/_internals.py: {found}; add a function there instead."
