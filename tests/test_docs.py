@@ -118,6 +118,14 @@ def test_nav_lists_every_page_and_every_page_exists():
     assert listed == pages, f"in the nav but missing: {listed - pages}; not in the nav: {pages - listed}"
 
 
+def test_the_module_table_of_contributing_lists_every_module():
+    """docs/contributing.md's table says what each module of the package owns: none may be missing or stale."""
+    text = (DOCS / "contributing.md").read_text()
+    listed = {name for row in re.findall(r"^\| (`[^|]+`) \|", text, re.M) for name in re.findall(r"`(\w+)`", row)}
+    modules = {p.stem for p in (ROOT / "shardvmc").glob("*.py") if p.stem != "__init__"}
+    assert listed == modules, f"missing from the table: {sorted(modules - listed)}; stale: {sorted(listed - modules)}"
+
+
 def test_snippets_point_at_existing_sections():
     for page in sorted(DOCS.glob("*.md")):
         for line in page.read_text().splitlines():

@@ -177,3 +177,24 @@ def test_complex_jtj_and_jtv_conjugate(mesh):
     np.testing.assert_allclose(g, j.conj().T @ v, rtol=1e-12)
     np.testing.assert_allclose(m, j.mean(0), rtol=1e-12)
     np.testing.assert_allclose(s, np.asarray(s).conj().T)  # Hermitian
+
+
+@pytest.mark.parametrize("context", ["use_mesh", "set_mesh", "given"])
+def test_replicate_needs_no_walker_axis(context):
+    """Replication splits over no axis, so a mesh without a ``walkers`` axis serves, given or current."""
+    devices = np.array(jax.devices()[:4]).reshape(2, 2)
+    mesh = Mesh(devices, ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    tree = {"w": np.arange(6.0).reshape(2, 3), "b": 0.5}
+    if context == "given":
+        p = sv.replicate(tree, mesh)
+    else:
+        with sv.use_mesh(mesh) if context == "use_mesh" else jax.set_mesh(mesh):
+            p = sv.replicate(tree)
+    for leaf, want in ((p["w"], tree["w"]), (p["b"], tree["b"])):
+        assert leaf.sharding.mesh == mesh and leaf.sharding.is_fully_replicated
+        np.testing.assert_array_equal(np.asarray(leaf), want)
+
+
+def test_replicate_without_any_mesh_uses_the_default_mesh():
+    p = sv.replicate(np.ones(3))
+    assert p.sharding.is_fully_replicated and dict(p.sharding.mesh.shape) == {"walkers": len(jax.devices())}
