@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-import re
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -21,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from . import _compat
+from . import _compat, _internals
 from ._errors import CallError, message
 from ._kernel import TRACED, Options, build, output_shardings, signature_of
 from ._markers import Kind, Layout, Param
@@ -228,9 +227,6 @@ def _abstract(tree: Any) -> Any:
     return jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jax.typeof(x).dtype), tree)
 
 
-_NOT_REPLICATED = re.compile(r"out_specs\[(\d+)\] is P\(\)")
-
-
 def _prove_replicated(spec: KernelSpec, key: PlanKey, dyn: tuple[Any, ...], n_valid: Any) -> str:
     """Ask JAX, by tracing once with its varying-axes check, whether the Replicated outputs are replicated.
 
@@ -242,21 +238,18 @@ def _prove_replicated(spec: KernelSpec, key: PlanKey, dyn: tuple[Any, ...], n_va
         spec.fn, spec.layout, key.statics, key.mesh, options_of(spec, key), spec.qualname,
         n=key.n_walkers, count=key.valid_count, parts=key.parts, check_vma=True,
     )  # fmt: skip
-    try:
-        jax.eval_shape(checked, _abstract(dyn), None if n_valid is None else _abstract(n_valid))
-    except ValueError as err:
-        found = _NOT_REPLICATED.findall(str(err))
-        if "can't be statically inferred" not in str(err) or not found:
-            return "values"
-        kinds = spec.layout.output if isinstance(spec.layout.output, tuple) else (spec.layout.output,)
-        positions = [int(i) for i in found if kinds[int(i)] is Kind.REPLICATED]
-        if not positions:
-            return "values"
-        raise _device_local_error(spec, [None] if isinstance(spec.layout.output, Kind) else positions) from None
-    except (Exception, SystemExit):  # the body does not trace under the check; the values are compared instead
-        # (folx's sparse Laplacian even calls exit() when JAX's check rejects its jaxpr)
+    verdict = _internals.vma_check_verdict(
+        lambda: jax.eval_shape(checked, _abstract(dyn), None if n_valid is None else _abstract(n_valid))
+    )
+    if verdict is None:  # the body does not trace under the check; the values are compared instead
         return "values"
-    return "types"
+    if not verdict:
+        return "types"
+    kinds = spec.layout.output if isinstance(spec.layout.output, tuple) else (spec.layout.output,)
+    positions = [i for i in verdict if kinds[i] is Kind.REPLICATED]
+    if not positions:
+        return "values"
+    raise _device_local_error(spec, [None] if isinstance(spec.layout.output, Kind) else positions)
 
 
 def _check_statics(spec: KernelSpec, statics: tuple[Any, ...]) -> None:

@@ -195,7 +195,7 @@ def test_folx_still_calls_exit_while_tracing():
 
 # The modules allowed to name another library's private modules: _internals (JAX), _kfac_compat (kfac-jax), and
 # _compat until its current-mesh getter comes from _internals.
-QUARANTINE = {"_internals", "_kfac_compat", "_compat"}
+QUARANTINE = {"_internals", "_kfac_compat"}
 
 
 def test_only_the_compatibility_modules_reach_into_private_modules():
