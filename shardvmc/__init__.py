@@ -17,6 +17,7 @@ from ._checkpoint import save_walkers as save_walkers
 from ._decorator import WalkerParallel as WalkerParallel
 from ._decorator import replicated_args as replicated_args
 from ._decorator import walker_parallel as walker_parallel
+from ._errors import ArgumentsError as ArgumentsError
 from ._errors import CallError as CallError
 from ._errors import DecorationError as DecorationError
 from ._errors import ShardvmcError as ShardvmcError
@@ -66,6 +67,7 @@ from ._walkerset import WalkerSet as WalkerSet
 __version__ = "0.2.0"
 
 __all__ = [
+    "ArgumentsError",
     "CallError",
     "Checkpoint",
     "Checkpointer",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import sys
 import types
 from collections.abc import Callable
 from typing import Any, overload
@@ -15,7 +16,7 @@ from jax.core import Tracer
 from jax.sharding import Mesh
 
 from . import _compat
-from ._errors import CallError, DecorationError, ShardvmcError, UnhashableStaticError, message
+from ._errors import ArgumentsError, CallError, DecorationError, ShardvmcError, UnhashableStaticError, message
 from ._kernel import (
     TRACED,
     Options,
@@ -159,7 +160,7 @@ class WalkerParallel:
         try:
             bound = self._layout.signature.bind(*args, **kwargs)
         except TypeError as err:
-            raise CallError(
+            raise ArgumentsError(
                 message(
                     self._qualname,
                     f"the arguments do not match the function's signature: {err}.",
@@ -415,10 +416,9 @@ class WalkerParallel:
                 return None  # the set carries the same count
             raise _n_valid_conflict(self._qualname, n_valid, count)
         n = first_count(walkers[0]) if walkers else None
-        if n is not None and isinstance(n_valid, (int, np.integer)):
-            check_n_valid(self._qualname, n_valid, n)
-            return np.int32(n_valid)
-        return n_valid
+        # An unknown count (the walkers are abstract, say) leaves the range to the program's own masking.
+        check_n_valid(self._qualname, n_valid, sys.maxsize if n is None else n)
+        return np.int32(int(n_valid))
 
     def _wrap(self, out: Any, count: int) -> Any:
         """Per-walker outputs as ``WalkerSet``s carrying ``count``."""

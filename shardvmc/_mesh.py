@@ -27,6 +27,7 @@ __all__ = [
     "onto_mesh",
     "resolve_mesh",
     "use_mesh",
+    "use_mesh_is_set",
 ]
 
 _CURRENT_MESH: contextvars.ContextVar[Mesh | None] = contextvars.ContextVar("shardvmc_mesh", default=None)
@@ -141,7 +142,7 @@ def call_mesh(mesh: Mesh | None, axis_name: str | tuple[str, ...], where: str) -
             return _default_mesh(axis_name), axis_name, None
         try:
             return _OWN_MESHES[chosen, axis_name]
-        except KeyError:
+        except (KeyError, TypeError):  # TypeError: no mesh at all (a list of devices, say): explained below
             checked = resolve_mesh(chosen, axis_name, where=where)
             if len(_OWN_MESHES) > 64:  # meshes are few; a program that builds many keeps this bounded
                 _OWN_MESHES.clear()
@@ -222,6 +223,11 @@ def entered_mesh(mesh: Mesh | None, qualname: str) -> Iterator[None]:
         ) from None
     with context:
         yield
+
+
+def use_mesh_is_set() -> bool:
+    """Whether a :func:`use_mesh` context is active (JAX's own mesh contexts are not counted)."""
+    return _CURRENT_MESH.get() is not None
 
 
 @contextlib.contextmanager

@@ -21,7 +21,7 @@ PUBLIC = {
     # Monte Carlo statistics
     "statistics", "Stats", "StatsAccumulator",
     # errors and warnings
-    "ShardvmcError", "DecorationError", "CallError", "UnhashableStaticError", "PaddingWarning",
+    "ShardvmcError", "DecorationError", "CallError", "ArgumentsError", "UnhashableStaticError", "PaddingWarning",
     "CommunicationWarning",
     # checkpoints and multi-process
     "save_walkers", "load_walkers", "Checkpoint", "RESIZED", "distributed",
