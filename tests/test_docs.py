@@ -137,9 +137,11 @@ def test_snippets_point_at_existing_sections():
 
 # ----------------------------------------------------------------------------- code width
 
+# docs/code_width.py is a script of the docs (CI runs it on the built site), not a package module.
 _spec = importlib.util.spec_from_file_location("code_width", DOCS / "code_width.py")
+assert _spec is not None and _spec.loader is not None
 code_width = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(code_width)  # type: ignore[union-attr]
+_spec.loader.exec_module(code_width)
 ANY_FENCE = re.compile(r"^(?P<indent>[ \t]*)```[^\n]*\n(?P<body>.*?)^(?P=indent)```[ \t]*$", re.M | re.S)
 
 
@@ -177,7 +179,8 @@ def test_code_lines_fit_the_page(page):
 
 def test_the_width_checks_see_a_long_line(tmp_path):
     page = tmp_path / "p.md"
-    page.write_text("text\n\n```python\nx = 1\n" + "y = 0" + " " * 120 + "+ 1\n```\n\n!!! note\n    ```\n    ok\n    ```\n")
+    long = "y = 0" + " " * 120 + "+ 1"
+    page.write_text(f"text\n\n```python\nx = 1\n{long}\n```\n\n!!! note\n    ```\n    ok\n    ```\n")
     assert [x.split(":")[1] for x in long_code_lines(page)] == ["5"]
     wide = "<pre><code>" + "a" * (code_width.WIDTH + 1) + "</code></pre><pre><span>b</span>&lt;</pre>"
     assert code_width.long_lines_in_html(wide) == ["a" * (code_width.WIDTH + 1)]
