@@ -7,7 +7,7 @@ import functools
 import sys
 import types
 from collections.abc import Callable
-from typing import Any, overload
+from typing import Any, cast, overload
 
 import jax
 import jax.numpy as jnp
@@ -263,7 +263,7 @@ class WalkerParallel:
             raise _n_valid_conflict(self._qualname, n_valid, count)
         return dyn, count, count
 
-    def _unhashable(self, args: tuple[Any, ...], parts: tuple[Any, ...] | None) -> CallError | None:
+    def _unhashable(self, args: tuple[Any, ...], parts: Any) -> CallError | None:
         """The error for a value that cannot key the compilation, or ``None`` when every value can."""
         for p, value in zip(self._spec.static_params, self._spec.statics_of(args)):
             try:
@@ -281,7 +281,7 @@ class WalkerParallel:
         for p, part in zip(self._spec.dyn_params, parts or ()):
             if part is None:
                 continue
-            treedef, static = part
+            treedef, static = cast(tuple[Any, tuple[Any, ...]], part)
             paths = [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(
                 jax.tree_util.tree_unflatten(treedef, list(static)))[0]]  # fmt: skip
             for path, leaf in zip(paths, static):

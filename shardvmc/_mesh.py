@@ -10,6 +10,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.core import Tracer
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from . import _compat
@@ -173,13 +174,14 @@ def mesh_of_arrays(tree: Any, axis_name: str | tuple[str, ...]) -> Mesh | None:
     if _CURRENT_MESH.get() is not None or _compat.context_mesh() is not None:
         return None
     leaves = jax.tree_util.tree_leaves(tree)
-    if not leaves or not isinstance(leaves[0], jax.Array) or isinstance(leaves[0], jax.core.Tracer):
+    if not leaves or not isinstance(leaves[0], jax.Array) or isinstance(leaves[0], Tracer):
         return None
     sharding = leaves[0].sharding
     if not isinstance(sharding, NamedSharding) or not leaves[0].committed:
         return None
     names = (axis_name,) if isinstance(axis_name, str) else axis_name
-    return sharding.mesh if all(n in sharding.mesh.shape for n in names) else None
+    mesh = sharding.mesh
+    return mesh if isinstance(mesh, Mesh) and all(n in mesh.shape for n in names) else None
 
 
 def onto_mesh(mesh: Mesh, args: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -192,7 +194,7 @@ def onto_mesh(mesh: Mesh, args: tuple[Any, ...]) -> tuple[Any, ...]:
     target = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 
     def move(x: Any) -> Any:
-        if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and x.sharding.device_set != devices:
+        if isinstance(x, jax.Array) and not isinstance(x, Tracer) and x.sharding.device_set != devices:
             return jax.device_put(x, target)
         return x
 

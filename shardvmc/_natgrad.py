@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -470,12 +470,16 @@ def natural_gradient(
         True
     """
     J, n_j = split_walker_set(J)
-    mesh, axis_name, enter = call_mesh(_mesh_of(J, mesh, axis_name), axis_name, _WHERE)
+    mesh, axes, enter = call_mesh(_mesh_of(J, mesh, axis_name), axis_name, _WHERE)
+    # Inside another library's mesh the walkers are split over all of its axes, a tuple that JAX's
+    # collectives take as one axis name.
+    axis_name = cast(str, axes)
     if enter is not None:
         with entered_mesh(enter, _WHERE):
             J, e = onto_mesh(enter, (J, e))
-            return natural_gradient(J, e, damping, n_valid=n_valid, method=method, solver=solver, maxiter=maxiter,
-                                    tol=tol, rcond=rcond, precondition=precondition, real_params=real_params,
+            return natural_gradient(J, e, damping=damping, n_valid=n_valid, method=method, solver=solver,
+                                    maxiter=maxiter, tol=tol, rcond=rcond, precondition=precondition,
+                                    real_params=real_params,
                                     momentum=momentum, previous=previous, chunks=chunks, memory_budget=memory_budget,
                                     mesh=enter, axis_name=axis_name)  # fmt: skip
     d = _compat.axis_size(mesh, axis_name)
