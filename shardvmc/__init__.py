@@ -10,6 +10,7 @@ Example:
 """
 
 from . import distributed as distributed
+from ._caches import clear_caches as clear_caches
 from ._checkpoint import RESIZED as RESIZED
 from ._checkpoint import Checkpoint as Checkpoint
 from ._checkpoint import load_walkers as load_walkers
@@ -90,6 +91,7 @@ __all__ = [
     "WalkerSet",
     "all_walkers",
     "assemble_sharded",
+    "clear_caches",
     "create_mesh",
     "distributed",
     "gather_walkers",

@@ -16,6 +16,7 @@ from jax.core import Tracer
 from jax.sharding import Mesh
 
 from . import _compat
+from ._caches import register_kernel
 from ._errors import ArgumentsError, CallError, DecorationError, ShardvmcError, UnhashableStaticError, message
 from ._kernel import (
     TRACED,
@@ -92,6 +93,7 @@ class WalkerParallel:
         self._missing: list[str] = []
         self._plans: dict[tuple[Any, ...], Plan] = {}  # by PlanKey, held as a plain tuple (cheaper to build)
         self._jits: dict[tuple[Mesh, Any], Any] = {}  # the kernel's jax.jit per (mesh, walker axes)
+        register_kernel(self)
         if layout is None:
             # Unmarked parameters are reported at the first call: a replicated_args(...) stacked above may
             # still name them (Python applies it after this decorator).
@@ -326,6 +328,11 @@ class WalkerParallel:
             if agree is not None and not isinstance(agree, Tracer):
                 raise_if_disagree(self._spec, agree)
         return out
+
+    def clear_cache(self) -> None:
+        """Forget this kernel's plans and programs (``sv.clear_caches`` calls it for every kernel)."""
+        self._plans.clear()
+        self._jits.clear()
 
     def _jit_for(self, mesh: Mesh, axis: str | tuple[str, ...]) -> Any:
         """The kernel's ``jax.jit`` on ``mesh`` (one per mesh and walker axes; built at their first call)."""

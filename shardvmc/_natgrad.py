@@ -24,6 +24,7 @@ from jax.core import Tracer
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from . import _compat
+from ._caches import bounded
 from ._errors import CallError, describe, message
 from ._memory import compiled_memory, device_memory_budget, format_bytes
 from ._mesh import call_mesh, entered_mesh, mesh_of_arrays, onto_mesh
@@ -275,7 +276,7 @@ def _block_size(p: int, chunks: int, d: int) -> int:
     return -(-per_chunk // d) * d
 
 
-@functools.cache
+@bounded(32)
 def _program(cfg: _Config, mesh: Mesh, axis: str, treedef: Any) -> Any:
     """The jitted solver: ``(leaves, e, count, scalars) -> (flat update, iterations, residual)``."""
     d = _compat.axis_size(mesh, axis)
@@ -326,7 +327,7 @@ def estimate_bytes(method: str, n: int, p: int, d: int, itemsize: int, *, rows: 
     raise ValueError(method)
 
 
-@functools.cache
+@bounded(32)
 def _compile(cfg: _Config, mesh: Mesh, axis: str, treedef: Any, signature: tuple[Any, ...]) -> Any:
     """Lower and compile the solver for abstract inputs: ``(compiled, CompiledMemory)``. Nothing runs."""
     leaf_avals, e_aval, real_dtype, p, out_dtype = signature
