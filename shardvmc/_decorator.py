@@ -148,7 +148,7 @@ class WalkerParallel:
         current = {"mesh": self._mesh, **dataclasses.asdict(self._options)}
         unknown = set(options) - set(current)
         if unknown:
-            raise TypeError(f"{self._qualname}.with_options: unknown options {sorted(unknown)}.")
+            raise DecorationError(f"{self._qualname}.with_options: unknown options {sorted(unknown)}.")
         current.update(options)
         mesh = current.pop("mesh")
         return walker_parallel(mesh=mesh, **current)(
@@ -629,7 +629,9 @@ def walker_parallel(
     if batch_size not in (None, "auto") and (
         not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1
     ):
-        raise ValueError(f"walker_parallel: batch_size must be a positive int, 'auto' or None, got {batch_size!r}.")
+        raise DecorationError(
+            f"walker_parallel: batch_size must be a positive int, 'auto' or None, got {batch_size!r}."
+        )
     if memory_budget is not None and batch_size != "auto":
         raise DecorationError(
             message(
@@ -670,7 +672,7 @@ def walker_parallel(
                 )
             )
         if isinstance(f, WalkerParallel):
-            raise TypeError(f"walker_parallel: {f!r} is already walker-parallel.")
+            raise DecorationError(f"walker_parallel: {f!r} is already walker-parallel.")
         if isinstance(f, _ReplicatedFn):
             return WalkerParallel(f.__wrapped__, None, mesh=mesh, options=options, replicated=f.names)
         return WalkerParallel(f, None, mesh=mesh, options=options)
@@ -702,7 +704,7 @@ class _ReplicatedArgs:
         if isinstance(fn, _ReplicatedFn):
             return _ReplicatedFn(fn.__wrapped__, fn.names | self.names)
         if not callable(fn):
-            raise TypeError(f"replicated_args: expected a function, got {type(fn).__name__}.")
+            raise DecorationError(f"replicated_args: expected a function, got {type(fn).__name__}.")
         parse(fn, getattr(fn, "__qualname__", repr(fn)), self.names)  # report unknown names now
         return _ReplicatedFn(fn, self.names)
 
@@ -729,5 +731,5 @@ def replicated_args(*names: str) -> Callable[[Any], Any]:
     """
     for name in names:
         if not isinstance(name, str):
-            raise TypeError(f"replicated_args: parameter names must be strings, got {name!r}.")
+            raise DecorationError(f"replicated_args: parameter names must be strings, got {name!r}.")
     return _ReplicatedArgs(frozenset(names))

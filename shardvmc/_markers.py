@@ -16,7 +16,7 @@ from typing import Annotated, Any, TypeVar
 
 import jax
 
-from ._errors import DecorationError, message
+from ._errors import CallError, DecorationError, message
 
 __all__ = ["Kind", "Layout", "Mean", "Param", "PerWalker", "Replicated", "Static", "Sum", "WalkerKey", "parse"]
 
@@ -247,11 +247,16 @@ def _parse_output(hint: Any, qualname: str) -> Kind | tuple[Kind, ...]:
     return Kind.PER_WALKER
 
 
-def missing_markers_error(qualname: str, missing: list[str]) -> DecorationError:
-    """The error for parameters that carry no marker."""
+def missing_markers_error(qualname: str, missing: list[str]) -> CallError:
+    """The error for parameters that carry no marker, raised at the first call.
+
+    Not at decoration: a ``replicated_args`` stacked above ``walker_parallel`` names
+    parameters after Python applied the decorator below it. So it is a ``CallError``
+    (``DecorationError`` is raised only while decorating).
+    """
     names = ", ".join(repr(m) for m in missing)
     subject = f"parameter {names} has" if len(missing) == 1 else f"parameters {names} have"
-    return DecorationError(
+    return CallError(
         message(
             qualname,
             f"{subject} no shardvmc marker, so their sharding is unknown.",

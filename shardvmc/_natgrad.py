@@ -324,7 +324,7 @@ def estimate_bytes(method: str, n: int, p: int, d: int, itemsize: int, *, rows: 
         return 2 * shard + 2 * (n // d) * rows * block * itemsize + 3 * m * m * itemsize + 4 * p * itemsize
     if method == "cg":
         return shard * 2 + 8 * p * itemsize
-    raise ValueError(method)
+    raise CallError(message("estimate_bytes", f"unknown method {method!r}.", expected=f"one of {METHODS}"))
 
 
 @bounded(32)

@@ -53,7 +53,7 @@ def _axis_leaves(tree: Any) -> list[Any]:
 
 def _check_axis(ax: Any, what: str, where: str) -> None:
     if ax not in (0, None) or isinstance(ax, bool):
-        raise ValueError(
+        raise CallError(
             f"{where}: {what} is {ax!r}; only 0 (walker axis first) and None (replicated) are supported. "
             "Move the walker axis first with jnp.moveaxis."
         )
@@ -73,12 +73,12 @@ def _kinds(in_axes: AxisSpec, n_args: int, where: str) -> tuple[Any, ...]:
         _check_axis(in_axes, "in_axes", where)
         return (Kind.PER_WALKER if in_axes == 0 else Kind.REPLICATED,) * n_args
     if type(in_axes) is not tuple:
-        raise ValueError(
+        raise CallError(
             f"{where}: in_axes must be 0, None, or a tuple with one entry per argument (as for jax.vmap), got "
             f"{in_axes!r}; for one argument write in_axes=(entry,)."
         )
     if len(in_axes) != n_args:
-        raise ValueError(f"{where}: in_axes has {len(in_axes)} entries for {n_args} arguments.")
+        raise CallError(f"{where}: in_axes has {len(in_axes)} entries for {n_args} arguments.")
     kinds: list[Any] = []
     for i, ax in enumerate(in_axes):
         for leaf in _axis_leaves(ax):
@@ -101,7 +101,7 @@ def _leaf_axes(prefix: Any, arg: Any, where: str, i: int) -> list[int | None]:
             lambda ax, sub: [ax] * len(jax.tree_util.tree_leaves(sub)), prefix, arg, is_leaf=lambda x: x is None
         )
     except ValueError as err:
-        raise ValueError(f"{where}: in_axes[{i}] is not a prefix of argument {i}'s pytree structure ({err}).") from None
+        raise CallError(f"{where}: in_axes[{i}] is not a prefix of argument {i}'s pytree structure ({err}).") from None
     return _axis_leaves(per_leaf)  # the lists flatten into their entries, one per leaf of arg
 
 
@@ -190,7 +190,7 @@ def _sharded(
 ) -> Callable[..., Any]:
     for ax in _axis_leaves(out_axes):
         if ax not in (0, None) or isinstance(ax, bool):
-            raise ValueError(
+            raise CallError(
                 f"{where}: out_axes leaves must be 0 (per-walker outputs stay sharded) or None (the same for every "
                 f"walker), got {out_axes!r}."
             )
@@ -290,7 +290,7 @@ def sharded_batched_vmap(
         ((16,), 3.0)
     """
     if not isinstance(max_batch_size, int) or max_batch_size < 1:
-        raise ValueError(f"sharded_batched_vmap: max_batch_size must be a positive int, got {max_batch_size!r}.")
+        raise CallError(f"sharded_batched_vmap: max_batch_size must be a positive int, got {max_batch_size!r}.")
     return _sharded(fn, mesh, in_axes, out_axes, max_batch_size, "sharded_batched_vmap")
 
 

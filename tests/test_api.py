@@ -134,3 +134,36 @@ def test_clear_caches_empties_kernels_and_module_caches():
     sv.clear_caches()
     assert not r2._jits and not r2._plans and _reductions._kernel.cache_info().currsize == 0
     assert float(r2(jnp.ones((8, 3)))) == 3.0
+
+
+# Raises of builtin exceptions that are not errors shardvmc raises at users, each with its reason.
+PLAIN_RAISES_ALLOWED = {
+    "testing.py",  # assertion helpers for users' tests raise AssertionError, as chex's do
+    "_internals.py",  # re-raises of JAX's own errors
+    "launch.py",  # command-line errors of the launcher, which runs before (and without) JAX
+    "_placement.py:52",  # caught at once by its caller, which raises the CallError
+    "_checkpoint.py",  # rewritten in the checkpoint unification (issue 26.1)
+    "_state.py",  # rewritten in the checkpoint unification (issue 26.1)
+}
+
+
+def test_every_error_raised_on_purpose_is_a_shardvmc_error():
+    """A new ``raise ValueError(...)`` (or another builtin) in the package fails here: raise a ShardvmcError."""
+    import ast
+    import builtins
+    import pathlib
+
+    found = []
+    for path in sorted(pathlib.Path(sv.__file__).parent.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Raise) or not isinstance(node.exc, ast.Call):
+                continue
+            name = getattr(node.exc.func, "id", None)
+            # ImportError (an optional dependency missing) and AttributeError (__getattr__) are Python's protocols
+            if name in ("ImportError", "AttributeError"):
+                continue
+            if isinstance(getattr(builtins, name or "", None), type) and issubclass(getattr(builtins, name), Exception):
+                where = f"{path.name}:{node.lineno}"
+                if path.name not in PLAIN_RAISES_ALLOWED and where not in PLAIN_RAISES_ALLOWED:
+                    found.append(f"{where} raise {name}")
+    assert not found, found

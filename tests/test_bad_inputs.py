@@ -170,7 +170,8 @@ class Bad:
 
 CATALOGUE = [
     # ------------------------------------------------ decoration time
-    Bad("parameter without a marker", lambda: sv.walker_parallel(no_marker)({}, jnp.ones((8, 3))), sv.DecorationError,
+    Bad("parameter without a marker (at the first call)", lambda: sv.walker_parallel(no_marker)({}, jnp.ones((8, 3))),
+        sv.CallError,
         ("no_marker", "'params'", "no shardvmc marker", "PerWalker[jax.Array]", "replicated_args")),
     Bad("Mean marker on a parameter", lambda: sv.walker_parallel(mean_parameter), sv.DecorationError,
         ("mean_parameter", "parameter 'r'", "marked Mean", "Mean and Sum are for returns")),

@@ -194,7 +194,7 @@ def _solver_reference(j: jax.Array, e: jax.Array) -> jax.Array:
 
 
 def _stats_reference(x: jax.Array) -> Any:
-    s = sv.statistics(np.asarray(x), mesh=sv.create_mesh(jax.devices()[:1]))
+    s = sv.statistics(x, mesh=sv.create_mesh(jax.devices()[:1]))
     return s.mean, s.error_of_mean, s.variance
 
 
@@ -368,12 +368,13 @@ CONTEXTS: dict[str, Callable[[int], tuple[Any, Any, Any]]] = {
 }
 
 
-def _expected_error(context: str, transform: str, d: int) -> type[Exception] | None:
+def _expected_error(context: str, transform: str, d: int) -> tuple[type[Exception] | None, bool]:
+    """The documented error of a cell, and whether it must be raised (else the result must be right)."""
     if context == "mesh= inside another mesh" and transform in TRACED and d != len(jax.devices()):
-        return sv.CallError
-    if context == "inputs on a sub-mesh" and transform in TRACED - {"eval_shape"} and d != len(jax.devices()):
-        return ValueError
-    return None
+        return sv.CallError, True
+    if context == "inputs on a sub-mesh" and transform in TRACED and d != len(jax.devices()):
+        return ValueError, False  # JAX's own, where it cannot run the arrays' devices with the kernel's
+    return None, False
 
 
 # ---- the sample ---------------------------------------------------------------------------------------
@@ -435,17 +436,24 @@ def test_cell(entry: str, transform: str, context: str, d: int, count: str) -> N
     mesh, ctx, committed = CONTEXTS[context](d)
     if committed is not None:  # left there by kernels on that mesh: walker data sharded, the rest replicated
         inputs = tuple(
-            sv.shard_walker(a, committed) if np.ndim(a) and np.shape(a)[0] == n else sv.replicate(a, committed)
+            sv.shard_walker(a, committed)
+            if np.ndim(a) and np.shape(a)[0] == n and n % d == 0
+            else sv.replicate(a, committed)
             for a in inputs
         )
-    error = _expected_error(context, transform, d)
+    error, required = _expected_error(context, transform, d)
     with ctx:
         f = e.make(mesh)
-        if error is not None:
+        if error is not None and required:
             with pytest.raises(error):
                 jax.block_until_ready(run(f, *inputs))
             return
-        got = run(f, *inputs)
+        try:
+            got = jax.block_until_ready(run(f, *inputs))
+        except Exception as err:
+            if error is None or not isinstance(err, error):
+                raise
+            return  # the documented error; where JAX can place the arrays, the result is compared below
     assert jax.tree_util.tree_structure(got) == jax.tree_util.tree_structure(expected)
     for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(expected)):
         assert np.shape(a) == np.shape(b)

@@ -23,7 +23,7 @@ def test_parameter_without_marker():
         return r
 
     kernel = sv.walker_parallel(energy)  # reported at the first call: a replicated_args above may still name it
-    text = raises(sv.DecorationError, kernel, 1.0, jnp.ones((8, 2)))
+    text = raises(sv.CallError, kernel, 1.0, jnp.ones((8, 2)))
     assert "test_parameter_without_marker.<locals>.energy" in text
     assert "parameter 'r' has no shardvmc marker" in text
     assert "PerWalker[jax.Array]" in text and "replicated_args" in text
@@ -40,7 +40,7 @@ def test_decoration_error_is_raised_when_decorating():
     def g(r):
         return r
 
-    with pytest.raises(sv.DecorationError, match="no shardvmc marker"):  # a missing marker: at the first call
+    with pytest.raises(sv.CallError, match="no shardvmc marker"):  # a missing marker: at the first call
         g.lower(jnp.ones(8))
 
 
@@ -119,7 +119,7 @@ def test_missing_marker_error_waits_for_the_first_call_without_global_state():
     def f(params, r):
         return r
 
-    with pytest.raises(sv.DecorationError, match="no shardvmc marker"):
+    with pytest.raises(sv.CallError, match="no shardvmc marker"):
         f(1.0, jnp.ones((8, 2)))
     assert shared(f)(1.0, jnp.ones((8, 2))).shape == (8, 2)
     assert shared(f.__wrapped__) is not shared(f.__wrapped__)

@@ -158,7 +158,7 @@ def test_replicated_args_object_applies_to_several_functions_without_global_stat
     def unmarked(alpha, r):
         return alpha * r
 
-    with pytest.raises(sv.DecorationError, match="no shardvmc marker"):
+    with pytest.raises(sv.CallError, match="no shardvmc marker"):
         unmarked(2.0, R)
 
 
