@@ -227,8 +227,11 @@ class Metropolis:
         walkers = self.evaluate(params, positions)
         dtype = walkers.data.log_psi.dtype
         scalars = (jnp.asarray(width, dtype), jnp.asarray(jnp.nan, dtype))
-        sharding = getattr(walkers.data.log_psi, "sharding", None)
-        if isinstance(sharding, NamedSharding) and not isinstance(scalars[0], jax.core.Tracer):
+        try:  # a traced array (init inside jax.jit) has no sharding: nothing to place there
+            sharding = walkers.data.log_psi.sharding
+        except AttributeError:
+            sharding = None
+        if isinstance(sharding, NamedSharding) and isinstance(sharding.mesh, Mesh):
             # Placed like the outputs of a step, so that a jitted step sees the same input shardings at its first
             # and second call (an unplaced width would compile the step twice).
             scalars = replicate(scalars, sharding.mesh)

@@ -182,8 +182,17 @@ def test_step_inside_jit_equals_eager():
     sampler = Metropolis(gaussian, n_steps=2, move="one-electron")
     state = sampler.init(jnp.float32(ALPHA), _walkers(16, None), width=0.5)
     eager = sampler.step(jnp.float32(ALPHA), state, jax.random.key(5))
-    jitted = jax.jit(sampler.step)(jnp.float32(ALPHA), state, jax.random.key(5))
+    traces = []
+
+    @jax.jit
+    def step(state, key):
+        traces.append(key)
+        return sampler.step(jnp.float32(ALPHA), state, key)
+
+    jitted = step(state, jax.random.key(5))
     jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6), eager, jitted)
+    step(jitted, jax.random.key(6))  # init placed the width like a step's output: no second compilation
+    assert len(traces) == 1
 
 
 def test_bad_settings_are_call_errors():
