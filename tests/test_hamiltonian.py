@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 import jax
@@ -72,12 +73,20 @@ def walkers() -> jax.Array:
         return jax.random.normal(jax.random.key(1), (13, 3, 3), jnp.float64)
 
 
-@pytest.mark.parametrize("log_psi", [network, complex_network], ids=["real", "complex"])
-@pytest.mark.parametrize("laplacian, threshold", METHODS, ids=IDS)
-def test_against_the_hessian_trace(log_psi, laplacian, threshold, walkers):
+@functools.cache
+def _expected(log_psi):
+    """Parameters, positions and reference local energies in float64, computed once per log_psi."""
     with jax.enable_x64(True):
         params = jax.tree.map(lambda a: a.astype(jnp.float64), _params())
-        expected = jax.vmap(lambda r: reference(log_psi, params, r))(walkers)
+        r = jax.random.normal(jax.random.key(1), (13, 3, 3), jnp.float64)
+        return params, r, jax.vmap(lambda x: reference(log_psi, params, x))(r)
+
+
+@pytest.mark.parametrize("log_psi", [network, complex_network], ids=["real", "complex"])
+@pytest.mark.parametrize("laplacian, threshold", METHODS, ids=IDS)
+def test_against_the_hessian_trace(log_psi, laplacian, threshold):
+    params, walkers, expected = _expected(log_psi)
+    with jax.enable_x64(True):
         energy = local_energy(log_psi, potential, laplacian=laplacian, sparsity_threshold=threshold)
         got = energy(params, walkers)
         assert jnp.iscomplexobj(got) == (log_psi is complex_network)
