@@ -133,6 +133,15 @@ def test_chains_are_the_same_on_1_3_and_8_devices():
         jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-6, atol=1e-6), results[:3], other)
 
 
+def test_chunked_moves_equal_unchunked():
+    """batch_size= bounds memory without changing the chains."""
+    sampler = Metropolis(gaussian, n_steps=2, move="one-electron")
+    state = sampler.init(jnp.float32(ALPHA), _walkers(13, None), width=0.5)
+    whole = sampler.step(jnp.float32(ALPHA), state, jax.random.key(2))
+    chunked = sampler.with_options(batch_size=3).step(jnp.float32(ALPHA), state, jax.random.key(2))
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6), whole, chunked)
+
+
 def test_acceptance_counts_valid_walkers_only():
     """Valid walkers accept every move, padding walkers none: the acceptance is exactly 1."""
 
