@@ -151,7 +151,8 @@ class Metropolis:
             (for sampling a fixed distribution exactly, after the burn-in).
         mesh: the mesh of the kernels (``None``: resolved at each call, like ``walker_parallel``).
         axis_name: the walker axis (or axes) of the mesh.
-        batch_size: chunk each device's walkers (``walker_parallel``'s option), bounding memory.
+        batch_size: chunk each device's walkers (``walker_parallel``'s option: an int or
+            ``"auto"``), bounding memory without changing the chains.
 
     Attributes:
         kernel: the moves as a walker-parallel kernel,
@@ -160,8 +161,9 @@ class Metropolis:
             ``refresh`` (a Python bool) recomputes the cached ``log|psi|`` first; the
             acceptance is a ``Mean`` over the valid walkers. Called inside another
             walker-parallel body it runs for that body's walker.
-        evaluate: ``evaluate(params, r) -> walkers``: :class:`Walker` s with ``log|psi|``
-            computed at the positions ``r`` (or at a :class:`Walker` set's positions).
+        evaluate: ``evaluate(params, r) -> walkers``: a set of :class:`Walker` with
+            ``log|psi|`` computed at the positions ``r`` (or at the positions of a set of
+            :class:`Walker`).
 
     Raises:
         CallError: an unknown ``move``, ``n_steps < 1``, or a negative ``adapt_rate``.
@@ -184,7 +186,7 @@ class Metropolis:
     adapt_rate: float = 0.5
     mesh: Mesh | None = None
     axis_name: str | tuple[str, ...] = "walkers"
-    batch_size: int | None = None
+    batch_size: int | str | None = None
     kernel: WalkerParallel = dataclasses.field(init=False, repr=False)
     evaluate: WalkerParallel = dataclasses.field(init=False, repr=False)
 
