@@ -13,7 +13,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from . import _compat
 from ._errors import CallError, message
-from ._mesh import get_replicated_sharding, get_walker_sharding, resolve_mesh
+from ._mesh import get_replicated_sharding, get_walker_sharding, resolve_mesh, use_mesh_is_set
 from ._walkerset import split_walker_set, walker_count
 
 __all__ = [
@@ -124,7 +124,12 @@ def replicate(tree: Any, mesh: Mesh | None = None) -> Any:
         >>> p["alpha"].sharding.spec
         P()
     """
-    mesh = resolve_mesh(mesh, mesh.axis_names[0] if mesh is not None else "walkers", where="replicate")
+    if mesh is None and not use_mesh_is_set() and _compat.context_mesh() is None:
+        mesh = resolve_mesh(None, where="replicate")  # the default mesh, all devices
+    else:
+        # A full copy on every device needs no walker axis: the given or current mesh serves, whatever its axes
+        # are called (a jax.set_mesh one of another library's, say).
+        mesh = resolve_mesh(mesh, (), where="replicate")
     return _place_tree(tree, None, get_replicated_sharding(mesh), "replicate")
 
 
