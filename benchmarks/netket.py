@@ -108,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
         def __call__(self, x):
             r = x.reshape(*x.shape[:-1], 2, 3)
             r12 = jnp.linalg.norm(r[..., 0, :] - r[..., 1, :], axis=-1, keepdims=True)
-            return nn.Dense(1)(nn.tanh(nn.Dense(8)(r12)))[..., 0] - jnp.sum(x**2, axis=-1) / 4
+            hidden = nn.tanh(nn.Dense(8, param_dtype=jnp.float64)(r12))
+            return nn.Dense(1, param_dtype=jnp.float64)(hidden)[..., 0] - jnp.sum(x**2, axis=-1) / 4
 
     def potential(x):  # one configuration: the trap (frequency 1/2) and the electrons' repulsion
         r = x.reshape(2, 3)
