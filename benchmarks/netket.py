@@ -241,14 +241,14 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---|---|---|---|---|")
     for row in rows:
         sv_row, nk_row = row["shardvmc"], row.get("netket")
-        energy = f"{sv_row['energy']:.4f} ± {sv_row['energy_error']:.4f}"
+        energy = f"{sv_row['energy']:.5f} ± {sv_row['energy_error']:.5f}"
         if nk_row is None:
             print(f"| {row['walkers']} | - | {sv_row['build_s']} / - | {sv_row['first_step_s']} / - | {energy} | - |")
             continue
         print(
             f"| {row['walkers']} ({nk_row['chains']} NetKet chains) | {row['ratio']} | "
             f"{sv_row['build_s']} / {nk_row['build_s']} | {sv_row['first_step_s']} / {nk_row['first_step_s']} | "
-            f"{energy} | {nk_row['energy']:.4f} ± {nk_row['energy_error']:.4f} |"
+            f"{energy} | {nk_row['energy']:.5f} ± {nk_row['energy_error']:.5f} |"
         )
     print(f"\nlines of user code (model and potential included): {lines}; exact energy {EXACT} Ha")
     if args.json:
