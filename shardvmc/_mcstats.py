@@ -33,6 +33,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.core import Tracer
 from jax.sharding import Mesh
 
 from ._caches import bounded
@@ -68,8 +69,8 @@ class Stats:
         tau_corr: the integrated autocorrelation time in steps, in the convention
             ``tau = 1/2 + sum_{t>=1} rho_t`` (``N / (2 ess)``): 0.5 for independent
             samples, ``(1 + phi) / (2 (1 - phi))`` for an AR(1) series with coefficient
-            ``phi``. NetKet's FFT estimator, emcee and ArviZ report ``1 + 2 sum rho_t``,
-            twice this.
+            ``phi``. NetKet's default ``tau_corr`` is ``sum_{t>=1} rho_t``, 0.5 less; its
+            optional FFT estimator and emcee report ``1 + 2 sum rho_t``, twice this.
         R_hat: the split-R-hat over the walkers (chains); near 1 when the chains have
             mixed (values above 1.01 suggest they have not).
         ess: the effective sample size of the mean, ``N / (2 tau_corr)``.
@@ -195,13 +196,15 @@ def _estimate(
     half_m2 = size * jnp.sum(_real(u), axis=-1)
     if block_m2 is not None:
         half_m2 = half_m2 + jnp.sum(jnp.where(in_half, block_m2[:, index], 0.0), axis=-1)
+    e = y.sum(axis=1) / k  # the walker's mean over its complete blocks - mu
     sums = all_walkers.sum(
         {
             "d": d,
             "d2": _real(d),
-            "m2": m2 + per_walker * _real(d),
-            "y": y.sum(axis=1),
-            "y2": jnp.sum(_real(y), axis=1),
+            "m2": m2,
+            "e": e,
+            "e2": _real(e),
+            "s2": jnp.sum(jnp.where(filled, _real(y - e[:, None]), 0.0), axis=1),
             "acov": _autocovariance(u).sum(axis=1) / half_f,
             "half_var": jnp.sum(half_m2, axis=-1) / (half_f * size - 1),
             "z": z_mean.sum(axis=-1),
@@ -209,12 +212,24 @@ def _estimate(
         }
     )
 
+    def spread(sq: jax.Array, s: jax.Array, count: jax.Array) -> jax.Array:
+        """``sum |v - mean v|^2`` of ``count`` values from ``sum |v|^2`` and ``sum v``, never below 0.
+
+        Only ever applied to values already centred on ``mu`` (walker means, block means),
+        so the difference loses no digits that matter; on a constant series it is
+        round-off of either sign, and a negative one would make the error NaN.
+        """
+        return jnp.maximum(sq - _real(s) / count, 0.0)
+
+    # The sums of squares split within walkers (each walker's own, centred on its own mean: no cancellation)
+    # and between walkers (centred on mu first), so that a constant series gives 0, not round-off of either sign.
     mean = mu + sums["d"] / m
-    variance = sums["m2"] / (total - 1)
+    between_walkers = spread(sums["d2"], sums["d"], m)
+    variance = (sums["m2"] + per_walker * between_walkers) / (total - 1)
     n_b = m * k  # block means in all
-    block_var = (sums["y2"] - _real(sums["y"]) / n_b) / (n_b - 1)
+    block_var = (sums["s2"] + k * spread(sums["e2"], sums["e"], m)) / (n_b - 1)
     chains = 2 * m
-    z_var = (sums["z2"] - _real(sums["z"]) / chains) / (chains - 1)  # between the split chains
+    z_var = spread(sums["z2"], sums["z"], chains) / (chains - 1)  # between the split chains
     mean_acov = sums["acov"] / chains
     within = mean_acov[0] * half_f / (half_f - 1)
     var_plus = within * (half_f - 1) / half_f + z_var
@@ -224,12 +239,15 @@ def _estimate(
     ess_blocks = jnp.where(var_plus > 0, draws / tau2, draws)
     error2 = block_var / ess_blocks
     # Under four blocks there is no autocorrelation to speak of: the walkers' means, independent chains.
-    between = (sums["d2"] - _real(sums["d"]) / m) / (m - 1) / m
+    between = between_walkers / (m - 1) / m
     error2 = jnp.where(k >= 4, error2, between)
     ess = jnp.where(error2 > 0, variance / error2, total)
 
     n_half = half_f * size  # raw steps per split chain
-    r_hat = jnp.sqrt((n_half * z_var / (sums["half_var"] / chains) + n_half - 1) / n_half)
+    # Chains that agree exactly (B = 0, a constant series) add nothing, even when they do not vary (W = 0);
+    # constant chains that differ from each other give infinity.
+    between_over_within = jnp.where(z_var > 0, n_half * z_var / (sums["half_var"] / chains), 0.0)
+    r_hat = jnp.sqrt((between_over_within + n_half - 1) / n_half)
     return Stats(
         mean=mean.astype(dtype),
         error_of_mean=jnp.sqrt(error2).astype(real),
@@ -243,11 +261,27 @@ def _estimate(
 # ----------------------------------------------------------------------------- the kernels
 
 
+def _named(name: str) -> Any:
+    """Name a block function after the public call that runs it, for its kernel's errors.
+
+    A kernel's errors (a bad ``n_valid=`` or ``mesh=``) name its function; the user called
+    ``sv.statistics``, not this module's private block function.
+    """
+
+    def rename(block: Any) -> Any:
+        block.__module__, block.__qualname__ = "shardvmc", name
+        return block
+
+    return rename
+
+
+@_named("statistics")
 def _series_block(x: PerWalker[jax.Array]) -> Replicated[Stats]:
     steps = x.shape[1]
     return _estimate(x, None, None, steps, 1, 0)
 
 
+@_named("StatsAccumulator.statistics")
 def _blocks_block(
     block_mean: PerWalker[jax.Array],
     block_m2: PerWalker[jax.Array],
@@ -258,9 +292,37 @@ def _blocks_block(
     return _estimate(block_mean, block_m2, (partial_mean, partial_m2), counts[0], counts[1], counts[2])
 
 
+def _kernel(where: str, block: Any, mesh: Mesh | None, axis_name: Any) -> Any:
+    if not isinstance(axis_name, str) and not (
+        isinstance(axis_name, tuple) and axis_name and all(isinstance(a, str) for a in axis_name)
+    ):
+        raise CallError(
+            message(
+                where,
+                "axis_name must be the name of the mesh's walker axis, or a tuple of names.",
+                got=repr(axis_name),
+                fix='pass e.g. axis_name="walkers", the default.',
+            )
+        )
+    return _cached_kernel(block, mesh, axis_name)
+
+
 @bounded(32)
-def _kernel(block: Any, mesh: Mesh | None, axis_name: str | tuple[str, ...]) -> Any:
+def _cached_kernel(block: Any, mesh: Mesh | None, axis_name: str | tuple[str, ...]) -> Any:
     return walker_parallel(block, mesh=mesh, axis_name=axis_name, batched=True)
+
+
+def _check_numbers(where: str, name: str, data: Any) -> None:
+    """Refuse data that are not numbers (strings, objects) before JAX fails on them with its own words."""
+    if np.dtype(data.dtype).kind not in "biufc":
+        raise CallError(
+            message(
+                where,
+                f"{name} must hold numbers.",
+                got=f"dtype {data.dtype}",
+                fix="pass a real or complex observable, e.g. the local energies.",
+            )
+        )
 
 
 def _series(where: str, x: Any) -> Any:
@@ -283,6 +345,7 @@ def _series(where: str, x: Any) -> Any:
                 fix=fix + ".",
             )
         )
+    _check_numbers(where, "x", data)
     if not jnp.issubdtype(data.dtype, jnp.inexact):
         data = jnp.asarray(data, jnp.result_type(float))
     return data if count is None else x.replace(data=data)
@@ -333,7 +396,7 @@ def statistics(
         (True, True)
     """
     # A WalkerSet's count and n_valid= are reconciled (and a disagreement refused) by the kernel.
-    return _kernel(_series_block, mesh, axis_name)(_series(_WHERE, x), n_valid=n_valid)
+    return _kernel(_WHERE, _series_block, mesh, axis_name)(_series(_WHERE, x), n_valid=n_valid)
 
 
 # ----------------------------------------------------------------------------- streaming
@@ -428,6 +491,18 @@ class StatsAccumulator:
                     fix="pass one step's per-walker values, e.g. the local energies of the first step.",
                 )
             )
+        _check_numbers(where, "like", data)
+        walkers = np.shape(data)[0]
+        if n_valid is not None and (
+            not isinstance(n_valid, (int, np.integer)) or isinstance(n_valid, bool) or not 1 <= n_valid <= walkers
+        ):
+            raise CallError(
+                message(
+                    where,
+                    f"n_valid={n_valid!r} is not a walker count in 1..{walkers}, the number of walkers of like.",
+                    fix="pass the count returned by sv.pad_walker (the real walkers come first), or omit n_valid.",
+                )
+            )
         if not isinstance(max_blocks, int) or max_blocks < 4 or max_blocks % 2:
             raise CallError(
                 message(where, "max_blocks must be an even int >= 4.", got=repr(max_blocks), fix="pass e.g. 256.")
@@ -445,7 +520,7 @@ class StatsAccumulator:
             partial_mean=zeros,
             partial_m2=real,
             counts=jnp.asarray([0, block_size, 0], jnp.int32),
-            n_valid=n_valid,
+            n_valid=None if n_valid is None else int(n_valid),
         )
 
     @property
@@ -477,11 +552,26 @@ class StatsAccumulator:
                     expected=f"shape {tuple(self.partial_mean.shape)}",
                 )
             )
+        _check_numbers("StatsAccumulator.update", "x", data)
         return _update(self, data)
 
     def statistics(self, *, mesh: Mesh | None = None, axis_name: str | tuple[str, ...] = "walkers") -> Stats:
-        """The :class:`Stats` of the steps accumulated so far (at least one), as :func:`statistics` computes them."""
-        kernel = _kernel(_blocks_block, mesh, axis_name)
+        """The :class:`Stats` of the steps accumulated so far (at least one), as :func:`statistics` computes them.
+
+        Raises:
+            CallError: when no step has been accumulated (checked on concrete
+                accumulators; under ``jax.jit`` an empty one gives NaN).
+        """
+        where = "StatsAccumulator.statistics"
+        if not isinstance(self.counts, Tracer) and self.n_steps == 0:
+            raise CallError(
+                message(
+                    where,
+                    "no step has been accumulated: there is nothing to estimate.",
+                    fix="call acc = acc.update(x) with each step's per-walker values first.",
+                )
+            )
+        kernel = _kernel(where, _blocks_block, mesh, axis_name)
         return kernel(
             self.block_mean, self.block_m2, self.partial_mean, self.partial_m2, self.counts, n_valid=self.n_valid
         )

@@ -136,3 +136,16 @@ def test_gpu_script_skips_rows_past_its_budget(tmp_path):
     stdout, data = _run("gpu.py", "--smoke", "--only", "solvers", "--budget", "0.001", tmp_path=tmp_path)
     assert data["rows"] and all(row["figure"].startswith("skipped") for row in data["rows"])
     assert stdout.count("| # | measurement | figure | goal | met |") == 1
+
+
+def test_netket_comparison_runs_its_shardvmc_side_without_netket(tmp_path):
+    # NetKet is an optional benchmark dependency (pip install -e ".[bench]"), not in the test environment:
+    # --smoke runs shardvmc's side of benchmarks/netket.py alone, with 13 walkers on the 8 fake devices.
+    stdout, data = _run("netket.py", "--smoke", tmp_path=tmp_path)
+    (row,) = data["rows"]
+    side = row["shardvmc"]
+    assert row["walkers"] == side["chains"] == 13 and "netket" not in row
+    assert side["steps"] == 1 + 2 * 2 + 2 * 2  # the first step, two warm-up blocks, two timed rounds of 2
+    assert 1.0 < side["energy"] < 4.0  # a few steps of 13 walkers: near the exact 2 Ha, loosely
+    assert data["lines"]["netket"] > 0 and data["lines"]["shardvmc"] > 0
+    assert "| 13 |" in stdout

@@ -116,6 +116,35 @@ def test_fewer_than_four_steps_count_the_walkers_as_independent():
     assert float(one_step.tau_corr) == pytest.approx(0.5, rel=1e-10)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_a_constant_series_has_no_error(dtype):
+    # An exact eigenstate's local energy: every sample equal. The sums of squares cancel to round-off, which
+    # must not come out negative (a NaN error) or as a ratio of two round-offs (an absurd ESS).
+    for value in (0.1, -2.9, 1 / 3, np.pi):
+        x = np.full((13, 40), value, dtype)  # 13 walkers: padded to 16 by the kernel
+        stats, oracle = as_floats(sv.statistics(x)), arviz_of(x.astype(np.float64))
+        assert stats["error_of_mean"] == 0.0, value
+        assert stats["variance"] == 0.0, value
+        assert stats["ess"] == oracle["ess"] == x.size, value  # ArviZ: a constant series is N independent draws
+        assert stats["tau_corr"] == 0.5, value
+        assert stats["R_hat"] == pytest.approx(np.sqrt(19 / 20), rel=1e-6), value  # B = 0: ((n - 1)/n)^(1/2)
+        assert oracle["error_of_mean"] < 1e-7 * abs(value)  # ArviZ's own sd of the data: round-off
+    acc = stream(jnp.asarray(x), max_blocks=4)  # merged into blocks of 16 steps and a partial one
+    streamed = as_floats(acc.statistics())
+    assert (streamed["error_of_mean"], streamed["tau_corr"], streamed["ess"]) == (0.0, 0.5, x.size)
+
+
+@pytest.mark.parametrize("dtype, scale", [(np.float64, 1e-6), (np.float64, 1e-9), (np.float32, 1e-6)])
+def test_a_nearly_constant_series_is_arviz(dtype, scale):
+    # Noise of a few ulps (float32 at 1e-6) to a few million: the error comes from what the data hold.
+    for value in (-2.9, np.pi):
+        x = (value + scale * abs(value) * ar1(13, 40, 0.5, seed=3)).astype(dtype)
+        assert np.ptp(x) > 0
+        stats = sv.statistics(x)
+        for name, expected in arviz_of(x.astype(np.float64)).items():
+            assert float(getattr(stats, name)) == pytest.approx(expected, rel=1e-5), (value, name)
+
+
 # ----------------------------------------------------------------------------- padding, devices, jit, meshes
 
 
@@ -278,6 +307,26 @@ def test_bad_inputs_are_call_errors():
         sv.StatsAccumulator.create(jnp.ones(8), max_blocks=7)
     with pytest.raises(sv.CallError, match="one value per walker"):
         sv.StatsAccumulator.create(jnp.ones(8)).update(jnp.ones(9))
+
+
+def test_errors_name_the_function_called_and_its_own_parameters():
+    # Not the private block functions behind the kernels (shardvmc._mcstats._series_block, _blocks_block).
+    x = jnp.ones((8, 4))
+    acc = sv.StatsAccumulator.create(x[:, 0]).update(x[:, 0])
+    for call, name in [
+        (lambda: sv.statistics(x, n_valid=0), r"(shardvmc\.)?statistics: n_valid=0"),
+        (lambda: sv.statistics(x, mesh="walkers"), r"(shardvmc\.)?statistics: mesh"),
+        (lambda: sv.statistics(x, axis_name=3), r"(shardvmc\.)?statistics: axis_name"),
+        (lambda: sv.statistics(np.full((8, 4), "a")), r"statistics: x must hold numbers"),
+        (lambda: acc.statistics(mesh="walkers"), r"(shardvmc\.)?StatsAccumulator\.statistics: mesh"),
+        (lambda: acc.statistics(axis_name=["walkers"]), r"(shardvmc\.)?StatsAccumulator\.statistics: axis_name"),
+        (lambda: sv.StatsAccumulator.create(x[:, 0]).statistics(), r"StatsAccumulator\.statistics: no step"),
+        (lambda: sv.StatsAccumulator.create(x[:, 0], n_valid=9), r"StatsAccumulator\.create: n_valid=9"),
+        (lambda: sv.StatsAccumulator.create(x[:, 0], n_valid=0), r"StatsAccumulator\.create: n_valid=0"),
+    ]:
+        with pytest.raises(sv.CallError, match="^" + name) as err:
+            call()
+        assert "_block" not in str(err.value) and "walker_parallel" not in str(err.value), str(err.value)
 
 
 def test_the_series_is_never_gathered():

@@ -110,6 +110,21 @@ def test_replicate_uses_default_mesh():
     assert out.sharding.mesh.devices.size == 8 and out.sharding.is_fully_replicated
 
 
+def test_replicate_on_a_current_mesh_with_any_axis_names():
+    # A full copy needs no walker axis: a use_mesh or jax.set_mesh mesh (NetKet sets one with axis "S" at import)
+    # serves as it is, where replicate used to ask for a "walkers" axis and to "pass axis_name=", which it has not.
+    other = sv.create_mesh(jax.devices()[:4], axis_name="x")
+    with sv.use_mesh(other):
+        assert sv.replicate(jnp.ones(3)).sharding.mesh == other
+    explicit = jax.make_mesh((8,), ("S",))
+    with jax.set_mesh(explicit):
+        out = sv.replicate({"w": np.ones(3)})
+    assert out["w"].sharding.mesh == explicit and out["w"].sharding.is_fully_replicated
+    with pytest.raises(sv.CallError, match=r"^replicate: mesh is not a jax.sharding.Mesh") as err:
+        sv.replicate(jnp.ones(3), "walkers")
+    assert "axis_name" not in str(err.value)
+
+
 @pytest.mark.parametrize(("n", "d", "expected"), [(10, 4, 12), (8, 4, 8), (1, 4, 4), (100, 3, 102), (0, 3, 0)])
 def test_pad_n_walkers(n, d, expected):
     assert sv.pad_n_walkers(n, d) == expected

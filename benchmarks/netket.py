@@ -1,0 +1,260 @@
+"""NetKet and shardvmc side by side: the same VMC job in one process, step time as a ratio.
+
+The job: Hooke's atom (two electrons in a 3-D harmonic trap of frequency 1/2, exact
+ground-state energy 2 Ha), the same flax network and the same initial parameters on both
+sides, Gaussian all-electron Metropolis moves of fixed width (10 per step, one sample per
+chain per step), dense SR (natural gradient) with the same damping and the same step
+length, float64, every device of the process (8 fake CPU devices by default).
+
+- NetKet: ``nk.sampler.MetropolisGaussian``, ``nk.vqs.MCState``, ``KineticEnergy`` +
+  ``PotentialEnergy``, ``nk.driver.VMC_SR(use_ntk=False)`` with ``optax.sgd``.
+- shardvmc: ``sv.mcmc.Metropolis``, ``sv.hamiltonian.local_energy``,
+  ``shardvmc.optax.natural_gradient(method="dense")``, one ``jax.jit`` step.
+
+NetKet's ``VMC_SR`` solves ``(S + shift) d = 2 cov(J, e)`` (the energy gradient), shardvmc's
+natural gradient ``(S + damping) d = cov(J, e)``: NetKet's learning rate is half of
+shardvmc's for the same step.
+
+Timing: interleaved blocks of ``--block`` steps (NetKet's block, then shardvmc's, the
+order reversed every other round, after two warm-up blocks each); the figure is the median
+over rounds of the per-round ratio shardvmc / NetKet with its quartiles. Also printed:
+the time to build each side (its objects and initial state), the first step (compilation
+included), the energy of each side over the second half of its steps (``sv.statistics`` of
+the per-step means), and the lines of user code of each side (the regions between the
+``# user code`` markers of this file, blank and comment lines left out).
+
+Usage (from the repository root, with NetKet installed: ``pip install -e ".[bench]"``)::
+
+    python benchmarks/netket.py                          # 2048 and 1001 walkers, 20 rounds of 10 steps
+    python benchmarks/netket.py --walkers 2048 --rounds 10 --block 5
+    python benchmarks/netket.py --smoke                  # shardvmc's side only, tiny: no NetKet needed
+"""
+
+import argparse
+import json
+import os
+import re
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+from harness import interleaved, ratio  # this folder is on sys.path when run as a script; starts no backend
+
+from shardvmc.testing import set_cpu_devices  # imports jax; starts no backend
+
+# This file is benchmarks/netket.py: with its folder on sys.path, `import netket` would import it again, not NetKet.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+
+EXACT = 2.0  # Hooke's atom at trap frequency 1/2 (Taut 1993)
+WIDTH = 0.5  # the Metropolis proposal width, fixed on both sides
+SWEEP = 10  # Metropolis moves per optimisation step
+DAMPING = 1e-3  # SR's diagonal shift
+LEARNING_RATE = 0.05  # shardvmc's step length on cov(J, e); NetKet's is half of it on 2 cov(J, e)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--walkers", default="2048,1001", help="walker (chain) counts, comma-separated")
+    parser.add_argument("--rounds", type=int, default=20, help="timed rounds (>= 20 for a real run)")
+    parser.add_argument("--block", type=int, default=10, help="optimisation steps per side per round")
+    parser.add_argument("--devices", type=int, default=8, help="fake CPU devices (default 8)")
+    parser.add_argument("--smoke", action="store_true", help="shardvmc's side only at tiny sizes, without NetKet")
+    parser.add_argument("--json", default="", help="also write the rows to this JSON file")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.walkers, args.rounds, args.block = "13", 2, 2
+    args.walkers = [int(n) for n in args.walkers.split(",")]
+    return args
+
+
+def user_lines() -> dict[str, int]:
+    """Non-blank, non-comment lines of each ``# user code: NAME`` region of this file (the model counts for both)."""
+    counts: dict[str, int] = {}
+    name = None
+    for line in Path(__file__).read_text().splitlines():
+        marker = re.match(r"\s*# user code: (\w+)", line)
+        if marker:
+            name = marker.group(1)
+            continue
+        if re.match(r"\s*# end of user code", line):
+            name = None
+            continue
+        if name and line.strip() and not line.strip().startswith("#"):
+            counts[name] = counts.get(name, 0) + 1
+    shared = counts.pop("both", 0)
+    return {side: n + shared for side, n in counts.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    set_cpu_devices(args.devices)
+    os.environ.setdefault("JAX_ENABLE_X64", "1")  # NetKet's default; the same precision on both sides
+
+    import flax.linen as nn
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    import shardvmc as sv
+    import shardvmc.optax as svx
+
+    jax.config.update("jax_enable_x64", True)
+
+    # user code: both
+    class Net(nn.Module):  # log|psi| of the flat positions x = (x1, y1, z1, x2, y2, z2), any leading axes
+        @nn.compact
+        def __call__(self, x):
+            r = x.reshape(*x.shape[:-1], 2, 3)
+            r12 = jnp.linalg.norm(r[..., 0, :] - r[..., 1, :], axis=-1, keepdims=True)
+            hidden = nn.tanh(nn.Dense(8, param_dtype=jnp.float64)(r12))
+            return nn.Dense(1, param_dtype=jnp.float64)(hidden)[..., 0] - jnp.sum(x**2, axis=-1) / 4
+
+    def potential(x):  # one configuration: the trap (frequency 1/2) and the electrons' repulsion
+        r = x.reshape(2, 3)
+        return jnp.sum(x**2) / 8 + 1 / jnp.linalg.norm(r[0] - r[1])
+
+    # end of user code
+
+    model = Net()
+    variables = model.init(jax.random.key(0), jnp.zeros(6))  # the initial parameters of both sides
+
+    def netket_side(n_walkers: int) -> dict[str, Any]:
+        import netket as nk
+
+        built = time.perf_counter()
+        energies: list[Any] = []
+        # user code: netket
+        hilbert = nk.experimental.hilbert.Particle(N=2, geometry=nk.experimental.geometry.FreeSpace(d=3))
+        hamiltonian = nk.operator.KineticEnergy(hilbert, mass=1.0) + nk.operator.PotentialEnergy(hilbert, potential)
+        sampler = nk.sampler.MetropolisGaussian(hilbert, sigma=WIDTH, n_chains=n_walkers, sweep_size=SWEEP)
+        vstate = nk.vqs.MCState(sampler, model, n_samples=n_walkers, n_discard_per_chain=0, seed=1)
+        vstate.variables = variables
+        driver = nk.driver.VMC_SR(
+            hamiltonian, optax.sgd(LEARNING_RATE / 2), diag_shift=DAMPING, variational_state=vstate, use_ntk=False
+        )
+
+        def record(step, log, driver):
+            energies.append(log["Energy"].mean)
+            return True
+
+        def run(n_steps):
+            driver.run(n_steps, callback=record, show_progress=False)
+            return vstate.parameters
+
+        # end of user code
+        built = time.perf_counter() - built
+        return {"run": run, "built": built, "energies": energies, "chains": sampler.n_chains}
+
+    mesh = sv.create_mesh()
+
+    def shardvmc_side(n_walkers: int) -> dict[str, Any]:
+        built = time.perf_counter()
+        energies: list[Any] = []
+        # user code: shardvmc
+        sampler = sv.mcmc.Metropolis(model.apply, n_steps=SWEEP, adapt_rate=0.0)
+        local_energy = sv.hamiltonian.local_energy(model.apply, potential)
+        opt = optax.chain(svx.natural_gradient(damping=DAMPING, method="dense"), optax.sgd(LEARNING_RATE))
+
+        @sv.walker_parallel
+        def measure(params: sv.Replicated[dict], w: sv.PerWalker[sv.mcmc.Walker]) -> tuple[sv.PerWalker, sv.PerWalker]:
+            return local_energy(params, w), jax.grad(model.apply)(params, w.r)
+
+        @jax.jit
+        def step(params, opt_state, state, key):
+            state = sampler.step(params, state, key)
+            e, jac = measure(params, state.walkers)
+            updates, opt_state = opt.update(params, opt_state, params, jacobian=jac, local_energies=e)
+            energy = sv.statistics(e.data[:, None], n_valid=e.n_valid)  # one step of every walker: E ± error
+            return optax.apply_updates(params, updates), opt_state, state, energy
+
+        params, opt_state = sv.replicate((variables, opt.init(variables)))
+        walkers = sv.initialize_walkers_sharded(lambda k: jax.random.normal(k, (6,)), n_walkers, key=jax.random.key(1))
+        state = sampler.init(params, walkers, width=WIDTH)
+
+        def run(n_steps):
+            nonlocal params, opt_state, state
+            for _ in range(n_steps):
+                params, opt_state, state, energy = step(params, opt_state, state, jax.random.key(len(energies)))
+                energies.append(energy.mean)
+            return params
+
+        # end of user code
+        built = time.perf_counter() - built
+        return {"run": run, "built": built, "energies": energies, "chains": n_walkers}
+
+    def on_mesh(fn: Any) -> Any:
+        """``fn`` under shardvmc's mesh: NetKet sets its own mesh (axis "S") for the whole process at import."""
+
+        def wrapped(*a: Any) -> Any:
+            with jax.set_mesh(mesh):
+                return fn(*a)
+
+        return wrapped
+
+    def energy_of(series: list[Any]) -> Any:
+        """``sv.statistics`` of the per-step mean energies of the second half of the run (one chain)."""
+        tail = jnp.asarray([float(e) for e in series[len(series) // 2 :]])
+        with jax.set_mesh(mesh), warnings.catch_warnings():
+            warnings.simplefilter("ignore", sv.PaddingWarning)  # one chain, padded to the devices
+            return sv.statistics(tail[None, :])
+
+    sides = {"shardvmc": on_mesh(shardvmc_side)}
+    if not args.smoke:
+        sides = {"netket": netket_side, **sides}
+    lines = user_lines()
+    rows = []
+    devices = jax.devices()
+    print(f"# Hooke's atom, {len(devices)} x {devices[0].device_kind} ({devices[0].platform}), jax {jax.__version__}")
+    for n_walkers in args.walkers:
+        jobs, first = {}, {}
+        for name, make in sides.items():
+            jobs[name] = make(n_walkers)
+            run = on_mesh(jobs[name]["run"]) if name == "shardvmc" else jobs[name]["run"]
+            jobs[name]["timed"] = run
+            start = time.perf_counter()
+            jax.block_until_ready(run(1))
+            first[name] = time.perf_counter() - start
+        thunks = {name: (lambda run=job["timed"]: run(args.block)) for name, job in jobs.items()}
+        times = interleaved(thunks, args.rounds)
+        row: dict[str, Any] = {"walkers": n_walkers, "rounds": args.rounds, "block": args.block}
+        for name, job in jobs.items():
+            stats = energy_of(job["energies"])
+            step = sorted(times[name])[len(times[name]) // 2] / args.block
+            row[name] = {
+                "chains": job["chains"],
+                "build_s": round(job["built"], 2),
+                "first_step_s": round(first[name], 2),
+                "step_ms": round(1e3 * step, 2),
+                "steps": len(job["energies"]),
+                "energy": float(stats.mean),
+                "energy_error": float(stats.error_of_mean),
+                "user_lines": lines[name],
+            }
+        if "netket" in jobs:
+            row["ratio"] = str(ratio(times, "shardvmc", "netket"))
+        rows.append(row)
+        print(json.dumps(row))
+    print()
+    print("| walkers | step time shardvmc / NetKet | build (s) sv / nk | first step (s) sv / nk | E sv | E nk |")
+    print("|---|---|---|---|---|---|")
+    for row in rows:
+        sv_row, nk_row = row["shardvmc"], row.get("netket")
+        energy = f"{sv_row['energy']:.5f} ± {sv_row['energy_error']:.5f}"
+        if nk_row is None:
+            print(f"| {row['walkers']} | - | {sv_row['build_s']} / - | {sv_row['first_step_s']} / - | {energy} | - |")
+            continue
+        print(
+            f"| {row['walkers']} ({nk_row['chains']} NetKet chains) | {row['ratio']} | "
+            f"{sv_row['build_s']} / {nk_row['build_s']} | {sv_row['first_step_s']} / {nk_row['first_step_s']} | "
+            f"{energy} | {nk_row['energy']:.5f} ± {nk_row['energy_error']:.5f} |"
+        )
+    print(f"\nlines of user code (model and potential included): {lines}; exact energy {EXACT} Ha")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"rows": rows, "lines": lines}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
