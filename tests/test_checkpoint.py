@@ -292,7 +292,8 @@ def test_a_writer_killed_mid_write_leaves_the_previous_checkpoint(tmp_path: Path
         assert n_valid == 4 and not r.any()
     else:  # a complete earlier big checkpoint
         assert n_valid == n
-        np.testing.assert_array_equal(r, np.random.default_rng(0).random((n, 3), np.float32) + np.float32(meta["version"]))
+        base = np.random.default_rng(0).random((n, 3), np.float32)
+        np.testing.assert_array_equal(r, base + np.float32(meta["version"]))
     # What the killed writer left behind is not a checkpoint.
     if partial.exists():
         with pytest.raises(sv.CallError, match="holds no shardvmc state checkpoint"):
