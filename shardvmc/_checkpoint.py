@@ -1,26 +1,18 @@
-"""Checkpoints on orbax-checkpoint: training states, and walkers alone as the state that is one walker set.
+"""Checkpoints on orbax-checkpoint: training states, and walkers alone as the state that is one ``WalkerSet``.
 
-A state is any pytree; :func:`save_walkers` saves the state that is one
-:class:`~shardvmc.WalkerSet`. Leaves are stored by kind:
+Leaves are stored by kind: "walker" (the non-scalar leaves of a ``WalkerSet``: orbax
+writes each process's rows, padding included; the set's counts go in the header),
+"array" (other ``jax.Array`` leaves, replicated, and the scalar leaves of a set: these
+two kinds in the dtype JAX holds them in), "numpy" (host data, in its own dtype) and
+"python" (``bool``/``int``/``float``/``complex``/``str``, in the header). Typed keys
+are stored as key data with the implementation's name. A checkpoint is one orbax step
+directory holding two items: ``arrays`` (orbax's PyTree handler) and ``shardvmc`` (the
+JSON header: leaf paths, kinds, dtypes, shapes, walker sets' counts, metadata).
 
-* "walker": the non-scalar leaves of a ``WalkerSet``, sharded arrays that orbax writes
-  shard by shard, each process its own rows (padding included); the set's counts go in
-  the header;
-* "array": other ``jax.Array`` leaves (replicated, written once) and the scalar leaves of
-  a ``WalkerSet``; "walker" and "array" leaves are stored in the dtype JAX holds them in;
-* "numpy": NumPy arrays and scalars (host data, written once), in their own dtype;
-* "python": ``bool``/``int``/``float``/``complex``/``str``, in the JSON header.
-
-Typed PRNG keys are stored as their key data with the implementation's name. A
-checkpoint is one orbax step directory ``<directory>/<step>/`` with two items:
-``arrays`` (orbax's PyTree handler) and ``shardvmc`` (the JSON header: leaf paths, kinds,
-dtypes, shapes, the walker sets' counts, the metadata). orbax writes a step under a
-temporary name and renames it once every process has written its part.
-
-Every restore goes one way: the header is checked (:func:`_check_header`), then against
-``like``, then the arrays are read onto the new mesh and walker sets padded or resized
-(:func:`_relayout`). Walker files of shardvmc 0.2.0 (``.npz``) enter the same way:
-:mod:`shardvmc._npz` turns them into this header and these arrays.
+Every restore goes one way: :func:`_check_header`, the check against ``like``, the
+arrays read onto the new mesh, and :func:`_relayout` for the walker sets. Walker files
+of shardvmc 0.2.0 (``.npz``) enter the same way: :mod:`shardvmc._npz` turns them into
+this header and these arrays.
 """
 
 from __future__ import annotations
@@ -91,24 +83,25 @@ def _manager(directory: Path, keep: int | None = 1, asynchronous: bool = False, 
     return ocp.CheckpointManager(directory, options=options, item_names=(_ARRAYS, _HEADER))
 
 
+def _error(where: str, problem: str, fix: str, got: str | None = None, expected: str | None = None) -> CallError:
+    return CallError(message(where, problem, got=got, expected=expected, fix=fix))
+
+
 class Checkpoint(NamedTuple):
     """What :func:`load_walkers` returns; unpack it as ``walkers, n_valid, metadata``.
 
     Attributes:
-        walkers: a :class:`~shardvmc.WalkerSet` of the pytree of ``like``, every
-            non-scalar leaf sharded ``P(axis_name)`` on the mesh and padded to a
-            multiple of its size (copies of walker 0); scalar leaves replicated.
+        walkers: a :class:`~shardvmc.WalkerSet` shaped like ``like``, non-scalar
+            leaves sharded ``P(axis_name)`` and padded with copies of walker 0; scalar
+            leaves replicated.
         n_valid: the number of real walkers, the first ones (``walkers.n_valid``).
-        metadata: the JSON metadata given at save time (``{}`` if none); after a
-            restore onto another walker count, also ``metadata[sv.RESIZED]``.
+        metadata: the JSON metadata given at save time (``{}`` if none), and
+            ``metadata[sv.RESIZED]`` after a restore onto another walker count.
     """
 
     walkers: WalkerSet
     n_valid: int
     metadata: dict[str, Any]
-
-
-# ---------------------------------------------------------------- helpers of the header
 
 
 def is_key_dtype(dtype: Any) -> bool:
@@ -122,47 +115,10 @@ def jax_dtype(leaf: Any) -> Any:
     return dtype if is_key_dtype(dtype) else jnp.result_type(leaf)
 
 
-def checked_metadata(where: str, metadata: Any) -> dict[str, Any]:
-    """``metadata`` as a dict that JSON can store, else a ``CallError``."""
-    if metadata is not None and not isinstance(metadata, Mapping):
-        raise CallError(
-            message(where, "metadata must be a dict.", got=type(metadata).__name__, fix="pass metadata={...}.")
-        )
-    meta = dict(metadata or {})
-    try:
-        json.dumps(meta)
-    except (TypeError, ValueError) as err:
-        raise CallError(
-            message(
-                where,
-                "metadata cannot be stored as JSON.",
-                got=str(err),
-                fix="store numbers, strings, lists and dicts only (e.g. float(energy) instead of a jax.Array).",
-            )
-        ) from None
-    return meta
-
-
 def resized(saved: int, restored: int) -> dict[str, Any]:
     """What ``metadata[sv.RESIZED]`` says after restoring ``restored`` walkers of ``saved``."""
-    return {
-        "saved": saved,
-        "restored": restored,
-        "duplicated": max(0, restored - saved),
-        "dropped": max(0, saved - restored),
-        "needs_burn_in": restored > saved,
-    }
-
-
-def check_key_impl(name: Any) -> str | None:
-    """Why ``name`` is not the name of a JAX PRNG implementation (``None`` when it is one)."""
-    if not isinstance(name, str):
-        return f"a key implementation must be a name, not {name!r}"
-    try:
-        jax.eval_shape(lambda: jax.random.key(0, impl=name))
-    except (ValueError, TypeError, KeyError):
-        return f"{name!r} is not a PRNG key implementation of this JAX"
-    return None
+    duplicated, dropped = max(0, restored - saved), max(0, saved - restored)
+    return dict(saved=saved, restored=restored, duplicated=duplicated, dropped=dropped, needs_burn_in=restored > saved)
 
 
 def _stored_struct(entry: dict[str, Any]) -> tuple[tuple[int, ...], Any]:
@@ -217,13 +173,15 @@ def _rebuild(layout: _Layout, leaves: list[Any], counts: list[int]) -> Any:
 # ---------------------------------------------------------------- save
 
 
-def _unsupported(where: str, name: str, problem: str, got: str, fix: str) -> CallError:
-    return CallError(message(where, f"leaf {name} {problem}", got=got, fix=fix))
-
-
 def _prepare(where: str, state: Any, metadata: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     """The JSON header and the arrays for orbax (keyed by leaf index) of ``state``; every check on it."""
-    meta = checked_metadata(where, metadata)
+    if metadata is not None and not isinstance(metadata, Mapping):
+        raise _error(where, "metadata must be a dict.", "pass metadata={...}.", type(metadata).__name__)
+    try:
+        meta = json.loads(json.dumps(dict(metadata or {})))
+    except (TypeError, ValueError) as err:
+        fix = "store numbers, strings, lists and dicts only (e.g. float(energy) instead of a jax.Array)."
+        raise _error(where, "metadata cannot be stored as JSON.", fix, str(err)) from None
     layout = _layout(state)
     sets: list[dict[str, Any]] = []
     for name, node in layout.sets:
@@ -237,22 +195,20 @@ def _prepare(where: str, state: Any, metadata: Any) -> tuple[dict[str, Any], dic
         if python and k is None:
             value = [leaf.real.hex(), leaf.imag.hex()] if isinstance(leaf, complex) else leaf
             value = leaf.hex() if isinstance(leaf, float) else value
-            entry.update(kind="python", type=type(leaf).__name__, value=value, dtype=None, shape=[])
-            entries.append(entry)
+            entries.append({**entry, "kind": "python", "type": type(leaf).__name__, "value": value, "shape": []})
             continue
-        if not (python or isinstance(leaf, (jax.Array, np.ndarray, np.generic))):
-            raise _unsupported(
+        if not (python or isinstance(leaf, (jax.Array, np.ndarray, np.generic))) or getattr(
+            leaf, "dtype", None
+        ) == np.dtype(object):
+            raise _error(
                 where,
-                name,
-                "is not an array or a number, so it cannot be stored.",
-                got=type(leaf).__name__,
-                fix="keep arrays, NumPy values and Python numbers or strings in the state; rebuild other objects "
+                f"leaf {name} is not an array or a number, so it cannot be stored.",
+                "keep arrays, NumPy values and Python numbers or strings in the state; rebuild other objects "
                 "(functions, optimiser definitions) from the configuration on restore.",
+                type(leaf).__name__ if not hasattr(leaf, "dtype") else "an object array",
             )
-        if getattr(leaf, "dtype", None) == np.dtype(object):
-            raise _unsupported(where, name, "is an object array.", got="dtype object", fix="store numeric arrays.")
-        jax_held = isinstance(leaf, jax.Array) or k is not None
-        dtype = jax_dtype(leaf) if jax_held else leaf.dtype
+        jax_held = isinstance(leaf, jax.Array) or k is not None  # restored as a jax.Array
+        dtype = jax_dtype(leaf) if jax_held else np.asarray(leaf).dtype
         if is_key_dtype(dtype):
             entry["key_impl"] = str(jax.random.key_impl(leaf))
             leaf = jax.random.key_data(leaf)
@@ -261,12 +217,11 @@ def _prepare(where: str, state: Any, metadata: Any) -> tuple[dict[str, Any], dic
         if k is not None and shape:
             entry.update(kind="walker", set=k)
         elif isinstance(leaf, jax.Array) and not leaf.sharding.is_fully_replicated:
-            raise _unsupported(
+            raise _error(
                 where,
-                name,
-                "is sharded, but only the leaves of a WalkerSet are stored and restored sharded.",
-                got=f"{dtype}{shape} with sharding {leaf.sharding}",
-                fix="put walker data in a sv.WalkerSet (it carries its count); replicate other arrays (sv.replicate).",
+                f"leaf {name} is sharded, but only the leaves of a WalkerSet are stored and restored sharded.",
+                "put walker data in a sv.WalkerSet (it carries its count); replicate other arrays (sv.replicate).",
+                f"{dtype}{shape} with sharding {leaf.sharding}",
             )
         elif not jax_held:
             entry["scalar"] = isinstance(leaf, np.generic)
@@ -275,26 +230,15 @@ def _prepare(where: str, state: Any, metadata: Any) -> tuple[dict[str, Any], dic
         else:  # a copy the caller may change at once; an array on this process's devices only travels as host data
             arrays[str(i)] = np.array(leaf, dtype=None if entry["key_impl"] else dtype, copy=True)
         entries.append(entry)
-    header = {
-        "format": _npz.FORMAT,
-        "version": 1,
-        "leaves": entries,
-        "walker_sets": sets,
-        "metadata": meta,
-        "saved_on": {"devices": jax.device_count(), "processes": jax.process_count()},
-    }
+    saved_on = {"devices": jax.device_count(), "processes": jax.process_count()}
+    header = dict(format=_npz.FORMAT, version=1, leaves=entries, walker_sets=sets, metadata=meta, saved_on=saved_on)
     return header, arrays
 
 
 def _check_step(where: str, step: Any) -> int:
     if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
-        raise CallError(
-            message(
-                where,
-                "step must be a non-negative int.",
-                got=repr(step),
-                fix="pass the training step as a Python int, e.g. int(t).",
-            )
+        raise _error(
+            where, "step must be a non-negative int.", "pass the training step as an int, e.g. int(t).", repr(step)
         )
     return int(step)
 
@@ -341,13 +285,8 @@ def _save_once(where: str, path: str | os.PathLike[str], state: Any, metadata: A
     header, arrays = _prepare(where, state, metadata)
     directory = Path(path).absolute()
     if directory.is_file():
-        raise CallError(
-            message(
-                where,
-                f"{str(path)!r} is a file (a walker file of shardvmc 0.2.0?), not a checkpoint directory.",
-                fix="save to another path; sv.load_walkers still reads this file.",
-            )
-        )
+        problem = f"{str(path)!r} is a file (a walker file of shardvmc 0.2.0?), not a checkpoint directory."
+        raise _error(where, problem, "save to another path; sv.load_walkers still reads this file.")
     _settle(directory)
     manager = _manager(directory, keep=1, asynchronous=asynchronous)
     try:
@@ -395,16 +334,14 @@ def _check_header(header: Any, broken: Callable[..., CallError]) -> None:
     if not isinstance(header, dict) or header.get("format") != _npz.FORMAT:
         raise broken("is not a shardvmc state checkpoint (its header is another program's).")
     if header.get("version") != 1 or type(header.get("version")) is not int:
-        version = header.get("version")
-        raise broken(f"is format version {version!r}, which this shardvmc cannot read.", f"version {version!r}")
+        raise broken(f"is format version {header.get('version')!r}, which this shardvmc cannot read.")
     sets, entries = header.get("walker_sets"), header.get("leaves")
     if not isinstance(header.get("metadata"), dict):
         raise malformed("its metadata is not a dict")
     if not isinstance(sets, list) or not all(
         isinstance(s, dict)
         and isinstance(s.get("path"), str)
-        and type(s.get("n_walkers")) is int
-        and type(s.get("n_valid")) is int
+        and type(s.get("n_walkers")) is type(s.get("n_valid")) is int
         and 1 <= s["n_valid"] <= s["n_walkers"]
         for s in sets
     ):
@@ -414,57 +351,40 @@ def _check_header(header: Any, broken: Callable[..., CallError]) -> None:
     ):
         raise malformed("its leaves are not a list of {path, kind, ...} entries")
     for e in entries:
-        name = e["path"]
+        name, shape, impl = e["path"], e.get("shape"), e.get("key_impl")
         if e["kind"] == "python":
-            if e.get("type") not in _PYTHON or not _python_value_ok(e["type"], e.get("value")):
+            if _python_value(e.get("type"), e.get("value")) is _BAD:
                 raise malformed(f"leaf {name} holds {e.get('value')!r} as a {e.get('type')!r}")
             continue
-        shape = e.get("shape")
         if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
             raise malformed(f"leaf {name} has the shape {shape!r}, which is not a list of sizes")
-        why = check_key_impl(e["key_impl"]) if e.get("key_impl") is not None else _check_dtype(e.get("dtype"))
-        if why:
-            raise malformed(f"leaf {name}: {why}")
+        try:
+            jax.eval_shape(lambda: jax.random.key(0, impl=impl)) if impl is not None else jnp.dtype(e.get("dtype"))
+        except (ValueError, TypeError, KeyError):
+            what = f"{impl!r} is not a PRNG key implementation" if impl else f"dtype {e.get('dtype')!r} is not a dtype"
+            raise malformed(f"leaf {name}: {what} of this JAX") from None
         if e["kind"] == "walker":
             k = e.get("set")
             if type(k) is not int or not 0 <= k < len(sets) or not shape:
                 raise malformed(f"leaf {name} names no walker set, or has no walker axis")
             if shape[0] != sets[k]["n_walkers"]:
-                raise broken(
-                    f"is inconsistent: leaf {name} holds {shape[0]} walkers, its walker set "
-                    f"{sets[k]['path']} {sets[k]['n_walkers']}."
-                )
+                walkers = f"{sets[k]['path']} {sets[k]['n_walkers']}"
+                raise broken(f"is inconsistent: leaf {name} holds {shape[0]} walkers, its walker set {walkers}.")
 
 
-def _check_dtype(name: Any) -> str | None:
-    """Why ``name`` is not a dtype name JAX knows (``None`` when it is one)."""
+_BAD = object()
+
+
+def _python_value(kind: Any, value: Any) -> Any:
+    """The Python value a header holds as ``value`` of type ``kind`` (``_BAD``: none)."""
     try:
-        jnp.dtype(name)
-    except (TypeError, ValueError):
-        return f"dtype {name!r} is not a dtype"
-    return None
-
-
-def _python_value_ok(kind: str, value: Any) -> bool:
-    try:
-        _python_value(kind, value)
+        if kind == "float":
+            return float.fromhex(value)
+        if kind == "complex" and isinstance(value, list) and len(value) == 2:
+            return complex(float.fromhex(value[0]), float.fromhex(value[1]))
+        return value if kind in ("bool", "int", "str") and type(value).__name__ == kind else _BAD
     except (TypeError, ValueError, OverflowError):
-        return False
-    return True
-
-
-def _python_value(kind: str, value: Any) -> Any:
-    if kind == "float":
-        if not isinstance(value, str):
-            raise TypeError(value)
-        return float.fromhex(value)
-    if kind == "complex":
-        if not (isinstance(value, list) and len(value) == 2 and all(isinstance(v, str) for v in value)):
-            raise TypeError(value)
-        return complex(float.fromhex(value[0]), float.fromhex(value[1]))
-    if type(value) is not _PYTHON[kind]:
-        raise TypeError(value)
-    return value
+        return _BAD
 
 
 def _check_like(where: str, path: Path, header: dict[str, Any], layout: _Layout) -> None:
@@ -472,56 +392,55 @@ def _check_like(where: str, path: Path, header: dict[str, Any], layout: _Layout)
     have, want = [e["path"] for e in header["leaves"]], [name for name, _, _ in layout.slots]
     if have != want:
         missing, extra = [p for p in have if p not in want], [p for p in want if p not in have]
-        raise CallError(
-            message(
-                where,
-                f"the pytree saved in {str(path)!r} has another structure than `like`.",
-                got=f"saved leaves {have}",
-                expected=f"leaves of `like` {want}"
-                + (f"; only in the file: {missing}" if missing else "")
-                + (f"; only in `like`: {extra}" if extra else ""),
-                fix="pass a `like` with the structure of the saved pytree (same dict keys, tuple lengths and "
-                "dataclass fields, in the same order).",
-            )
+        raise _error(
+            where,
+            f"the pytree saved in {str(path)!r} has another structure than `like`.",
+            "pass a `like` with the saved structure (same dict keys, tuple lengths and dataclass fields, in order).",
+            f"saved leaves {have}",
+            f"leaves of `like` {want}"
+            + (f"; only in the file: {missing}" if missing else "")
+            + (f"; only in `like`: {extra}" if extra else ""),
         )
     saved_sets, like_sets = [s["path"] for s in header["walker_sets"]], [name for name, _ in layout.sets]
     if saved_sets != like_sets:
-        raise CallError(
-            message(
-                where,
-                f"the walker sets saved in {str(path)!r} are not where `like` has its WalkerSets.",
-                got=f"saved WalkerSets at {saved_sets}",
-                expected=f"WalkerSets of `like` at {like_sets}",
-                fix="pass a `like` that holds a sv.WalkerSet wherever the saved state held one.",
-            )
+        raise _error(
+            where,
+            f"the walker sets saved in {str(path)!r} are not where `like` has its WalkerSets.",
+            "pass a `like` that holds a sv.WalkerSet wherever the saved state held one.",
+            f"saved WalkerSets at {saved_sets}",
+            f"WalkerSets of `like` at {like_sets}",
         )
     for entry, (name, model, _) in zip(header["leaves"], layout.slots):
         kind, model_shape, saved_shape = entry["kind"], tuple(np.shape(model)), tuple(entry["shape"])
-        if kind == "python":
-            if model_shape:
-                raise _shape_error(where, path, name, "a Python scalar", model_shape, False)
+        if kind != "python":
+            _check_like_dtype(where, path, entry, model)
+        if kind == "walker" and (not model_shape or model_shape[1:] != saved_shape[1:]):
+            rows = header["walker_sets"][entry["set"]]["n_valid"]
+            saved = f"shape {(rows, *saved_shape[1:])} (walker axis first)"
+            expected = f"(n_walkers, {', '.join(map(str, model_shape[1:]))}) from `like` shape {model_shape}"
+        elif kind != "walker" and model_shape != saved_shape:
+            saved, expected = "a Python scalar" if kind == "python" else f"shape {saved_shape}", f"shape {model_shape}"
+        else:
             continue
-        _check_like_dtype(where, path, entry, model)
-        if kind == "walker":
-            if not model_shape or model_shape[1:] != saved_shape[1:]:
-                rows = header["walker_sets"][entry["set"]]["n_valid"]
-                saved = f"shape {(rows, *saved_shape[1:])} (walker axis first)"
-                raise _shape_error(where, path, name, saved, model_shape, True)
-        elif model_shape != saved_shape:
-            raise _shape_error(where, path, name, f"shape {saved_shape}", model_shape, False)
+        raise _error(
+            where,
+            f"leaf {name} has another shape in the checkpoint than in `like`.",
+            "pass a `like` whose leaves have the saved shapes (walker leaves: any walker count).",
+            f"saved: {saved} in {str(path)!r}",
+            expected if model_shape else "a scalar, as in `like`",
+        )
 
 
 def _check_like_dtype(where: str, path: Path, entry: dict[str, Any], model: Any) -> None:
     """The dtype of ``like``'s leaf against the saved one.
 
-    JAX-held leaves compare as JAX holds ``like`` now; a NumPy leaf keeps its dtype, so a
-    NumPy ``like`` compares exactly, and an abstract one (``jax.eval_shape`` made it, as
-    JAX would hold it) with the saved dtype as JAX would hold that.
+    JAX-held leaves compare as JAX holds ``like`` now. A NumPy leaf keeps its dtype: a
+    NumPy ``like`` compares exactly, an abstract one (``jax.eval_shape`` made it) as JAX
+    would hold the saved dtype.
     """
-    saved, name = entry["dtype"], entry["path"]
     abstract = isinstance(model, (jax.Array, jax.ShapeDtypeStruct))
     host = entry["kind"] == "numpy" and not abstract and not is_key_dtype(getattr(model, "dtype", None))
-    dtype = np.asarray(model).dtype if host else jax_dtype(model)
+    saved, dtype = entry["dtype"], np.asarray(model).dtype if host else jax_dtype(model)
     as_jax = saved if entry["key_impl"] else str(jax.dtypes.canonicalize_dtype(jnp.dtype(saved)))
     if str(dtype) == saved or (entry["kind"] == "numpy" and abstract and str(dtype) == as_jax):
         return
@@ -529,34 +448,8 @@ def _check_like_dtype(where: str, path: Path, entry: dict[str, Any], model: Any)
         fix = "it was saved with jax_enable_x64 on: turn it on before loading (jax.config.update('jax_enable_x64', 1))."
     else:
         fix = "pass a `like` with the saved dtype (built as the saved pytree was built), then convert after loading."
-    raise CallError(
-        message(
-            where,
-            f"leaf {name} was saved as {saved}, but `like` has {dtype}.",
-            got=f"saved dtype {saved} in {str(path)!r}",
-            expected=f"{dtype} (from `like`)",
-            fix=fix,
-        )
-    )
-
-
-def _shape_error(where: str, path: Path, name: str, saved: str, model_shape: tuple[int, ...], walker: bool) -> Any:
-    if not model_shape:
-        expected = "a scalar, as in `like`"
-    elif walker:
-        expected = f"(n_walkers, {', '.join(map(str, model_shape[1:]))}) from `like` shape {model_shape}"
-    else:
-        expected = f"`like`'s shape {model_shape}"
-    return CallError(
-        message(
-            where,
-            f"leaf {name} has another shape in the checkpoint than in `like`.",
-            got=f"saved: {saved} in {str(path)!r}",
-            expected=expected,
-            fix="pass a `like` whose leaves have the saved shapes (walker leaves: the saved per-walker shapes, "
-            "any walker count).",
-        )
-    )
+    problem = f"leaf {entry['path']} was saved as {saved}, but `like` has {dtype}."
+    raise _error(where, problem, fix, f"saved dtype {saved} in {str(path)!r}", f"{dtype} (from `like`)")
 
 
 def restored_count(where: str, path: Path, saved: int, expected: int | None, n_walkers: Any) -> int:
@@ -566,25 +459,19 @@ def restored_count(where: str, path: Path, saved: int, expected: int | None, n_w
     """
     if n_walkers is not None:
         if isinstance(n_walkers, bool) or not isinstance(n_walkers, (int, np.integer)) or n_walkers < 1:
-            raise CallError(
-                message(
-                    where,
-                    "n_walkers must be a positive int, the number of walkers to restore.",
-                    got=repr(n_walkers),
-                    fix=f"pass n_walkers=None for the saved {saved}, or a count such as {saved}.",
-                )
+            fix = f"pass n_walkers=None for the saved {saved}, or a count such as {saved}."
+            raise _error(
+                where, "n_walkers must be a positive int, the number of walkers to restore.", fix, repr(n_walkers)
             )
         return int(n_walkers)
     if expected is not None and expected != saved:
-        raise CallError(
-            message(
-                where,
-                f"{str(path)!r} holds {saved} walkers, but the WalkerSet `like` expects {expected}.",
-                got=f"{saved} saved walkers",
-                expected=f"{expected} (like.n_valid)",
-                fix=f"pass n_walkers={expected} to restore {expected} walkers from the {saved} saved "
-                "(duplicates need burn-in), or a `like` of the saved count.",
-            )
+        raise _error(
+            where,
+            f"{str(path)!r} holds {saved} walkers, but the WalkerSet `like` expects {expected}.",
+            f"pass n_walkers={expected} to restore {expected} walkers from the {saved} saved "
+            "(duplicates need burn-in), or a `like` of the saved count.",
+            f"{saved} saved walkers",
+            f"{expected} (like.n_valid)",
         )
     return saved
 
@@ -666,32 +553,43 @@ def _restore(
     return _rebuild(layout, leaves, targets), metadata
 
 
-def _broken(where: str, directory: Path, problem: str, got: str | None = None) -> CallError:
-    return CallError(
-        message(
-            where,
-            f"the checkpoint {str(directory)!r} {problem}",
-            got=got,
-            fix="restore another step (Checkpointer.steps() lists them); a checkpoint is only committed once "
-            "complete, so this one was damaged or edited afterwards.",
-        )
-    )
-
-
 def _restore_step(
     where: str, manager: Any, step: int, like: Any, mesh: Mesh | None, axis_name: str, n_walkers: int | None
 ) -> tuple[Any, dict[str, Any]]:
     """Step ``step`` of ``manager``'s directory, read by orbax."""
     ocp = _orbax()
     directory = Path(manager.directory) / str(step)
-    broken = functools.partial(_broken, where, directory)
+
+    def broken(problem: str, got: str | None = None) -> CallError:
+        fix = "restore another step (Checkpointer.steps() lists them); a checkpoint is only committed once complete"
+        return _error(where, f"the checkpoint {str(directory)!r} {problem}", fix + ", so this one was damaged.", got)
+
     try:
         header = manager.restore(step, args=ocp.args.Composite(**{_HEADER: ocp.args.JsonRestore()}))[_HEADER]
     except Exception as err:
         raise broken("has no readable header.", f"{type(err).__name__}: {err}") from None
 
     def read(specs: dict[str, Any]) -> dict[str, Any]:
-        _check_stored(directory, header, broken)
+        # orbax-checkpoint 0.12.8 raises on the first array read that fails and leaves the others running on an event
+        # loop it has closed (they report unraisable errors later, in whatever code runs then): orbax's metadata of
+        # the stored arrays is checked against the header before any read starts.
+        from etils import epath  # orbax-checkpoint's own path type (installed with it)
+
+        handler = ocp.PyTreeCheckpointHandler()
+        try:
+            stored = dict(handler.metadata(epath.Path(directory / _ARRAYS)).tree)
+        except Exception as err:
+            raise broken("has arrays that cannot be read.", f"{type(err).__name__}: {err}") from None
+        finally:
+            handler.close()
+        for key, (_, _, dtype) in specs.items():
+            entry, meta = header["leaves"][int(key)], stored.get(key)
+            shape = _stored_struct(entry)[0]
+            if meta is None or tuple(meta.shape) != shape or np.dtype(meta.dtype) != np.dtype(dtype):
+                got = meta and f"stored {np.dtype(meta.dtype)}{list(meta.shape)}, header {np.dtype(dtype)}{list(shape)}"
+                raise broken(
+                    f"is inconsistent: leaf {entry['path']} is stored as another array than its header says.", got
+                )
         restore_args = {
             key: ocp.RestoreArgs(restore_type=np.ndarray)
             if sharding is None
@@ -707,36 +605,6 @@ def _restore_step(
     return _restore(where, directory, header, read, like, mesh, axis_name, n_walkers, broken)
 
 
-def _check_stored(directory: Path, header: dict[str, Any], broken: Callable[..., CallError]) -> None:
-    """The arrays orbax holds against the header, from orbax's metadata alone.
-
-    orbax-checkpoint 0.12.8 raises on the first array read that fails and leaves the others running on an event
-    loop it has closed: they report unraisable errors later, in whatever code runs then. A damaged or edited
-    checkpoint is caught here, before any read starts.
-    """
-    from etils import epath  # orbax-checkpoint's own path type (installed with it)
-
-    handler = _orbax().PyTreeCheckpointHandler()
-    try:
-        stored = handler.metadata(epath.Path(directory / _ARRAYS)).tree
-    except Exception as err:
-        raise broken("has arrays that cannot be read.", f"{type(err).__name__}: {err}") from None
-    finally:
-        handler.close()
-    for i, entry in enumerate(header["leaves"]):
-        if entry["kind"] == "python":
-            continue
-        shape, dtype = _stored_struct(entry)
-        meta = stored.get(str(i)) if isinstance(stored, dict) else None
-        if meta is None:
-            raise broken(f"is inconsistent: leaf {entry['path']} has no stored array.")
-        if tuple(meta.shape) != shape or np.dtype(meta.dtype) != np.dtype(dtype):
-            raise broken(
-                f"is inconsistent: leaf {entry['path']} is stored as another array than its header says.",
-                f"stored {np.dtype(meta.dtype)}{list(meta.shape)}, header {np.dtype(dtype)}{list(shape)}",
-            )
-
-
 def _load(
     where: str, path: Path, like: Any, mesh: Mesh | None, axis_name: str, n_walkers: int | None
 ) -> tuple[Any, dict[str, Any]]:
@@ -749,17 +617,10 @@ def _load(
     _settle(directory)  # a write of this process to this directory finishes first
     manager = _manager(directory, keep=None, write=False)
     try:
-        if step is None:
-            if not manager.all_steps():
-                raise CallError(
-                    message(
-                        where,
-                        f"{str(path)!r} holds no shardvmc state checkpoint.",
-                        fix="pass a directory written by sv.save_state, sv.save_walkers or sv.Checkpointer "
-                        "(or one of its steps).",
-                    )
-                )
-            step = max(manager.all_steps())
+        if step is None and not manager.all_steps():
+            fix = "pass a directory written by sv.save_state, sv.save_walkers or sv.Checkpointer (or one of its steps)."
+            raise _error(where, f"{str(path)!r} holds no shardvmc state checkpoint.", fix)
+        step = max(manager.all_steps()) if step is None else step
         return _restore_step(where, manager, step, like, mesh, axis_name, n_walkers)
     finally:
         manager.close()
@@ -775,21 +636,19 @@ def save_walkers(
     n_valid: int | None = None,
     metadata: Mapping[str, Any] | None = None,
 ) -> Path:
-    """Save walkers at ``path``, the directory of a checkpoint; returns once it is committed.
+    """Save walkers at ``path`` (a directory) as :func:`save_state` saves the state that is one ``WalkerSet``.
 
-    The walker-only case of :func:`save_state`: the state saved is the one
-    ``WalkerSet`` ``tree`` is (or makes with ``n_valid``). Non-scalar leaves are walker
-    leaves, scalar leaves are saved replicated; every leaf in the dtype JAX holds it in
-    (a float64 NumPy leaf as float32 unless ``jax_enable_x64`` is on). A new save
-    replaces the previous one only once it is committed, so a writer killed at any
-    moment leaves the previous checkpoint loadable. In a multi-process run, call it on
-    every process (a collective), on a directory all of them see: each process writes
-    the rows its devices hold, nothing is gathered.
+    Non-scalar leaves are walker leaves (each process writes the rows its devices hold;
+    nothing is gathered), scalar leaves are saved replicated, every leaf in the dtype
+    JAX holds it in (a float64 NumPy leaf as float32 unless ``jax_enable_x64`` is on).
+    Returns once the checkpoint is committed; it replaces the previous one at ``path``
+    only then, so a writer killed at any moment leaves the previous one loadable. With
+    several processes, call it on every process, on a directory all of them see.
 
     Args:
         path: the checkpoint's directory (created if missing).
-        tree: a :class:`~shardvmc.WalkerSet` (its count is saved) or a pytree of
-            walkers (sharded ``jax.Array`` or host arrays, typed PRNG keys included).
+        tree: a :class:`~shardvmc.WalkerSet` (its count is saved) or a pytree of walkers
+            (sharded ``jax.Array`` or host arrays; typed PRNG keys included).
         n_valid: the number of real walkers (the first ones); ``None``: the
             ``WalkerSet``'s count, else all.
         metadata: JSON-serialisable data stored with the walkers (step, energy, ...).
@@ -800,30 +659,25 @@ def save_walkers(
     Raises:
         CallError: for leaves of different walker counts, ``n_valid`` out of range or
             other than the ``WalkerSet``'s, or metadata JSON cannot encode.
-        ImportError: when orbax-checkpoint is not installed (``pip install
-            'shardvmc[checkpoint]'``).
+        ImportError: when orbax-checkpoint is not installed (``pip install 'shardvmc[checkpoint]'``).
 
     Example:
         >>> import os, tempfile, jax, jax.numpy as jnp, shardvmc as sv
         >>> mesh = sv.create_mesh(jax.devices()[:4])
         >>> walkers = sv.WalkerSet({"r": sv.shard_walker(jnp.arange(24.0).reshape(8, 3), mesh)}, n_valid=6)
-        >>> path = os.path.join(tempfile.mkdtemp(), "walkers")
-        >>> sv.save_walkers(path, walkers, metadata={"step": 100}).name
+        >>> sv.save_walkers(os.path.join(tempfile.mkdtemp(), "walkers"), walkers, metadata={"step": 100}).name
         'walkers'
     """
     where = "save_walkers"
     data, set_count = split_walker_set(tree)
     n = walker_count(data, where, "tree")
-    if set_count is not None and n_valid is not None and not isinstance(n_valid, Tracer):
-        if int(n_valid) != set_count:
-            raise CallError(
-                message(
-                    where,
-                    f"n_valid={int(n_valid)} disagrees with the WalkerSet's own count.",
-                    got=f"n_valid={int(n_valid)}, tree.n_valid={set_count}",
-                    fix="omit n_valid (a WalkerSet carries its count), or save tree.replace(n_valid=...).",
-                )
-            )
+    if set_count is not None and n_valid is not None and not isinstance(n_valid, Tracer) and n_valid != set_count:
+        raise _error(
+            where,
+            f"n_valid={int(n_valid)} disagrees with the WalkerSet's own count.",
+            "omit n_valid (a WalkerSet carries its count), or save tree.replace(n_valid=...).",
+            f"n_valid={int(n_valid)}, tree.n_valid={set_count}",
+        )
     n_valid = set_count if n_valid is None else n_valid
     check_n_valid(where, n_valid, n)
     walkers = WalkerSet.tree_unflatten(n if n_valid is None else int(n_valid), (data,))
@@ -840,28 +694,24 @@ def load_walkers(
 ) -> Checkpoint:
     """Read walkers saved by :func:`save_walkers` (or a 0.2.0 ``.npz`` walker file) onto ``mesh``.
 
-    The walkers are padded for ``mesh`` (any number of devices and processes) with
-    copies of walker 0; each process reads only its own devices' rows (of a 0.2.0 file,
-    the whole file). By default exactly the saved walkers come back. ``n_walkers``
-    restores another count (an elastic restart): fewer keeps the first ``n_walkers``;
-    more repeats the saved walkers in order (walker ``i`` is saved walker ``i % saved``),
-    correlated with their originals until burn-in; then ``metadata[sv.RESIZED]`` says
-    so: ``{"saved", "restored", "duplicated", "dropped", "needs_burn_in"}``.
+    As :func:`load_state` restores a walker set: padded for ``mesh`` (any number of
+    devices and processes) with copies of walker 0, each process reading its own
+    devices' rows (of a 0.2.0 file, the whole file). ``n_walkers`` restores another
+    count: fewer keeps the first ones; more repeats the saved walkers in order (walker
+    ``i`` is saved walker ``i % saved``; copies need burn-in), and ``metadata[sv.RESIZED]``
+    says so: ``{"saved", "restored", "duplicated", "dropped", "needs_burn_in"}``.
 
     Args:
         path: a directory written by :func:`save_walkers`, or a 0.2.0 ``.npz`` file.
-        like: a pytree of the expected structure, whose leaves give the dtypes and the
-            per-walker shapes (arrays or ``jax.ShapeDtypeStruct``; any walker count). A
-            :class:`~shardvmc.WalkerSet` also states the count expected: its
-            ``n_valid`` must then be the saved count (or pass ``n_walkers``).
-        mesh: the mesh to restore onto; defaults to the ``use_mesh`` one, else all
-            devices.
+        like: the structure, dtypes and per-walker shapes (arrays or
+            ``jax.ShapeDtypeStruct``; any walker count); a :class:`~shardvmc.WalkerSet`
+            also states the count expected (the saved one, unless ``n_walkers`` is given).
+        mesh: the mesh to restore onto; defaults to the ``use_mesh`` one, else all devices.
         axis_name: the walker axis of ``mesh``.
         n_walkers: the number of walkers to restore; ``None``: the saved count.
 
     Returns:
-        A :class:`Checkpoint` ``(walkers, n_valid, metadata)``; ``walkers`` is a
-        :class:`~shardvmc.WalkerSet`.
+        A :class:`Checkpoint` ``(walkers, n_valid, metadata)``.
 
     Raises:
         FileNotFoundError: when ``path`` does not exist.
@@ -883,7 +733,7 @@ def load_walkers(
     """
     where, path = "load_walkers", Path(path)
     like_data, expected = split_walker_set(like)
-    root = WalkerSet.tree_unflatten(expected or 0, (like_data,))  # the walker-only state
+    root = WalkerSet.tree_unflatten(expected or 0, (like_data,))  # the walker-only state (0: any count)
     if path.is_file():
         header, read, broken = _npz.open_file(path)
         walkers, metadata = _restore(where, path, header, read, root, mesh, axis_name, n_walkers, broken)
@@ -895,17 +745,15 @@ def load_walkers(
 def save_state(path: str | os.PathLike[str], state: Any, *, metadata: dict[str, Any] | None = None) -> Path:
     """Save a whole training state at ``path``, asynchronously; returns once the state is on the host.
 
-    ``state`` is any pytree of :class:`~shardvmc.WalkerSet`\\ s (every process writes
-    only the rows its devices hold, padding included; the count is saved), replicated
-    ``jax.Array``\\ s (parameters, ``optax`` and ``kfac-jax`` states; written once),
-    NumPy arrays and scalars, Python ``bool``/``int``/``float``/``complex``/``str``, and
-    typed PRNG keys. ``path`` is a directory holding the latest state (an orbax step
-    directory inside it); a new save replaces the previous one only once it is
-    committed. The write goes on in the background and ends with its commit: the next
-    save to ``path``, :func:`wait_for_saves`, :func:`load_state` and a normal
-    interpreter exit wait for it. For a training loop, :class:`Checkpointer` adds steps
-    and retention. In a multi-process run, call it on every process (a collective), on
-    a directory all of them see.
+    ``state`` is any pytree of :class:`~shardvmc.WalkerSet`\\ s (each process writes the
+    rows its devices hold, padding included; the counts are saved), replicated
+    ``jax.Array``\\ s (parameters, ``optax`` and ``kfac-jax`` states), NumPy arrays and
+    scalars, Python ``bool``/``int``/``float``/``complex``/``str`` and typed PRNG keys.
+    ``path`` is a directory holding the latest state; a new save replaces it once
+    committed. The write ends with its commit, in the background: the next save to
+    ``path``, :func:`wait_for_saves`, :func:`load_state` and a normal exit wait for it.
+    :class:`Checkpointer` adds steps and retention. With several processes, call it on
+    every process, on a directory all of them see.
 
     Args:
         path: the directory (created if missing).
@@ -917,11 +765,9 @@ def save_state(path: str | os.PathLike[str], state: Any, *, metadata: dict[str, 
 
     Raises:
         CallError: for a leaf that cannot be stored (a sharded array outside a
-            ``WalkerSet``, an object that is not an array or a number), a
-            ``WalkerSet`` whose ``n_valid`` exceeds its walkers, or metadata JSON
-            cannot hold.
-        ImportError: when orbax-checkpoint is not installed (``pip install
-            'shardvmc[checkpoint]'``).
+            ``WalkerSet``, an object that is not an array or a number), a ``WalkerSet``
+            whose ``n_valid`` exceeds its walkers, or metadata JSON cannot hold.
+        ImportError: when orbax-checkpoint is not installed (``pip install 'shardvmc[checkpoint]'``).
 
     Example:
         >>> import tempfile, jax, jax.numpy as jnp, shardvmc as sv
@@ -943,30 +789,26 @@ def load_state(
     axis_name: str = "walkers",
     n_walkers: int | None = None,
 ) -> tuple[Any, dict[str, Any]]:
-    """Read a state saved by :func:`save_state` (or a :class:`Checkpointer`) onto ``mesh``.
+    """Read a state saved by :func:`save_state` (or a :class:`Checkpointer`) onto ``mesh``, exactly.
 
-    The mesh may have any number of devices and processes. Leaves come back by the kind
-    they were saved as: walker-set leaves sharded over the walker axis of ``mesh`` and
-    padded for it with copies of walker 0 (each process reads only its own devices'
-    rows); other ``jax.Array`` leaves replicated on ``mesh``; NumPy and Python values as
-    they were; typed keys as keys. Values are exact (float64 included). ``n_walkers``
-    restores every walker set onto that count, as :func:`load_walkers` does
-    (``metadata[sv.RESIZED]``: with several walker sets, a dict of them by pytree path).
+    Leaves come back by the kind they were saved as: walker-set leaves sharded over the
+    walker axis of ``mesh`` (any number of devices and processes; each process reads its
+    own devices' rows) and padded with copies of walker 0; other ``jax.Array`` leaves
+    replicated; NumPy and Python values as they were; typed keys as keys. ``n_walkers``
+    restores every walker set onto that count, as :func:`load_walkers` does (with several
+    sets, ``metadata[sv.RESIZED]`` is a dict of them by pytree path).
 
     Args:
         path: a directory written by :func:`save_state` (or a :class:`Checkpointer`'s
-            directory: its latest step; or one of its step directories).
-        like: a pytree of the saved state's structure whose leaves give the dtypes and
-            shapes: the freshly initialised state of the same configuration, or its
-            ``jax.eval_shape`` (a NumPy leaf then comes back in its saved dtype, which
-            ``like`` shows as JAX would hold it). Its ``WalkerSet``\\ s may hold any
-            walker count; their ``n_valid`` must be the saved count unless
-            ``n_walkers`` is given.
-        mesh: the mesh to restore onto; defaults to the ``use_mesh`` one, else all
-            devices.
+            directory, for its latest step, or one of its step directories).
+        like: the saved state's structure, dtypes and shapes: the freshly initialised
+            state of the same configuration, or its ``jax.eval_shape`` (which shows a
+            NumPy leaf's dtype as JAX would hold it; it comes back in its saved dtype).
+            Its ``WalkerSet``\\ s may hold any walker count; their ``n_valid`` must be the
+            saved count unless ``n_walkers`` is given.
+        mesh: the mesh to restore onto; defaults to the ``use_mesh`` one, else all devices.
         axis_name: the walker axis of ``mesh``.
-        n_walkers: the number of walkers to restore in each walker set; ``None``: the
-            saved counts.
+        n_walkers: the number of walkers to restore in each walker set; ``None``: the saved counts.
 
     Returns:
         ``(state, metadata)``: the state in the structure of ``like``, and the metadata
@@ -980,14 +822,9 @@ def load_state(
     """
     path = Path(path).absolute()
     if path.is_file():
-        raise CallError(
-            message(
-                "load_state",
-                f"{str(path)!r} is a file, not a state checkpoint (a directory).",
-                fix="pass the directory given to sv.save_state or sv.Checkpointer; read walker files (.npz) with "
-                "sv.load_walkers.",
-            )
-        )
+        problem = f"{str(path)!r} is a file, not a state checkpoint (a directory)."
+        fix = "pass a directory sv.save_state or sv.Checkpointer wrote; read .npz walker files with sv.load_walkers."
+        raise _error("load_state", problem, fix)
     return _load("load_state", path, like, mesh, axis_name, n_walkers)
 
 
@@ -995,14 +832,13 @@ class Checkpointer:
     """Training-state checkpoints in a directory: asynchronous saves, the last ``keep`` steps, elastic restores.
 
     ``save(step, state)`` returns once the state is on the host and writes it while the
-    run goes on; the next ``save`` (or :meth:`wait`) waits for it, so writes never
-    overlap; :meth:`restore` reads the latest (or any kept) step onto any mesh. ``state``
-    is what :func:`save_state` takes. Each step is one orbax-checkpoint step directory
-    ``<directory>/<step>``, committed atomically once every process has written its
-    part. In a multi-process run, create it and call :meth:`save` and :meth:`restore`
-    on every process (they are collectives), on a directory all processes see. Use it
-    as a context manager, or call :meth:`close`, so that the last write finishes before
-    the program ends (pending writes are also waited for at a normal interpreter exit).
+    run goes on (the next ``save`` or :meth:`wait` waits for it, so writes never
+    overlap); :meth:`restore` reads the latest (or any kept) step onto any mesh, as
+    :func:`load_state`. ``state`` is what :func:`save_state` takes. Each step is one
+    orbax step directory ``<directory>/<step>``, committed once every process has
+    written its part. With several processes, create it and call :meth:`save` and
+    :meth:`restore` on every process, on a directory all of them see. Use it as a
+    context manager, or call :meth:`close` (a normal exit also waits for its writes).
 
     Args:
         directory: where the steps live (created if missing).
@@ -1011,8 +847,7 @@ class Checkpointer:
             the step is committed).
 
     Raises:
-        ImportError: when orbax-checkpoint is not installed (``pip install
-            'shardvmc[checkpoint]'``).
+        ImportError: when orbax-checkpoint is not installed (``pip install 'shardvmc[checkpoint]'``).
 
     Example:
         >>> import tempfile, jax, jax.numpy as jnp, optax, shardvmc as sv
@@ -1034,25 +869,18 @@ class Checkpointer:
     def __init__(self, directory: str | os.PathLike[str], *, keep: int | None = 3, asynchronous: bool = True) -> None:
         _orbax()
         if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
-            raise CallError(
-                message(
-                    "Checkpointer",
-                    "keep must be a positive int (the number of latest steps kept) or None (all).",
-                    got=repr(keep),
-                    fix="pass keep=3, for example.",
-                )
-            )
-        self.directory = Path(directory).absolute()
-        self.keep = keep
+            problem = "keep must be a positive int (the number of latest steps kept) or None (all)."
+            raise _error("Checkpointer", problem, "pass keep=3, for example.", repr(keep))
+        self.directory, self.keep = Path(directory).absolute(), keep
         self._manager = _manager(self.directory, keep=keep, asynchronous=asynchronous)
         _LIVE.add(self)
 
     def save(self, step: int, state: Any, *, metadata: dict[str, Any] | None = None) -> bool:
         """Save ``state`` (with JSON ``metadata``) as ``step``; returns once the state is on the host.
 
-        The write goes on in the background; a later :meth:`save`, :meth:`wait` or
-        :meth:`close` waits for it (and raises its error, if it failed). The caller may
-        change, donate or delete the state's arrays as soon as this returns.
+        A later :meth:`save`, :meth:`wait` or :meth:`close` waits for the write (and
+        raises its error). The caller may change, donate or delete the state's arrays as
+        soon as this returns.
 
         Returns:
             ``True``; ``False`` (and nothing written) when ``step`` is already saved,
@@ -1077,12 +905,7 @@ class Checkpointer:
         axis_name: str = "walkers",
         n_walkers: int | None = None,
     ) -> tuple[Any, dict[str, Any]]:
-        """Read ``step`` (default: the latest) onto ``mesh``, in the structure of ``like``.
-
-        See :func:`load_state` for ``like``, ``mesh``, ``axis_name`` and ``n_walkers``.
-
-        Returns:
-            ``(state, metadata)``.
+        """Read ``step`` (default: the latest) onto ``mesh``, as :func:`load_state`; returns ``(state, metadata)``.
 
         Raises:
             FileNotFoundError: when the directory holds no step (or not ``step``).
@@ -1090,15 +913,12 @@ class Checkpointer:
         """
         where = "Checkpointer.restore"
         self.wait()
-        steps = self._manager.all_steps()
-        if step is None:
-            if not steps:
-                raise FileNotFoundError(f"{where}: {str(self.directory)!r} holds no checkpoint yet.")
-            step = max(steps)
-        step = _check_step(where, step)
+        steps = sorted(self._manager.all_steps())
+        if step is None and not steps:
+            raise FileNotFoundError(f"{where}: {str(self.directory)!r} holds no checkpoint yet.")
+        step = _check_step(where, steps[-1] if step is None else step)
         if step not in steps:
-            held = sorted(steps)
-            raise FileNotFoundError(f"{where}: {str(self.directory)!r} holds no step {step} (it holds {held}).")
+            raise FileNotFoundError(f"{where}: {str(self.directory)!r} holds no step {step} (it holds {steps}).")
         return _restore_step(where, self._manager, step, like, mesh, axis_name, n_walkers)
 
     def latest_step(self) -> int | None:
