@@ -1,23 +1,18 @@
 """Checkpoints on orbax-checkpoint: training states, and walkers alone as the state that is one ``WalkerSet``.
 
-Leaves are stored by kind: "walker" (the non-scalar leaves of a ``WalkerSet``: orbax
-writes each process's rows, padding included; the set's counts go in the header),
-"array" (other ``jax.Array`` leaves, replicated, and the scalar leaves of a set: these
-two kinds in the dtype JAX holds them in), "numpy" (host data, in its own dtype) and
-"python" (``bool``/``int``/``float``/``complex``/``str``, in the header). Typed keys
-are stored as key data with the implementation's name. A checkpoint is one orbax step
-directory holding two items: ``arrays`` (orbax's PyTree handler) and ``shardvmc`` (the
-JSON header: leaf paths, kinds, dtypes, shapes, walker sets' counts, metadata).
-
-Every restore goes one way: :func:`_check_header`, the check against ``like``, the
-arrays read onto the new mesh, and :func:`_relayout` for the walker sets. Walker files
-of shardvmc 0.2.0 (``.npz``) enter the same way: :mod:`shardvmc._npz` turns them into
-this header and these arrays.
+Leaves are stored by kind: "walker" (the non-scalar leaves of a ``WalkerSet``, each process writing its rows),
+"array" (other ``jax.Array`` leaves, replicated, and the scalar leaves of a set; both in the dtype JAX holds),
+"numpy" (host data, in its own dtype), "python" (in the header); typed keys as key data and implementation. A
+checkpoint is one orbax step directory with two items: ``arrays`` (orbax's PyTree handler) and ``shardvmc`` (the
+JSON header: leaf paths, kinds, dtypes, shapes, walker sets' counts, metadata). Every restore goes one way:
+:func:`_check_header`, the check against ``like``, the arrays read onto the new mesh, :func:`_relayout` for the
+walker sets. Walker files of shardvmc 0.2.0 (``.npz``) enter the same way through :mod:`shardvmc._npz`.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import json
 import os
@@ -25,7 +20,7 @@ import threading
 import weakref
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
@@ -52,14 +47,13 @@ __all__ = [
 
 _ARRAYS, _HEADER = "arrays", "shardvmc"  # the orbax items: every stored array (keyed by leaf index); the header
 _KINDS = ("walker", "array", "numpy", "python")
-_PYTHON = {"bool": bool, "int": int, "float": float, "complex": complex, "str": str}
 INSTALL = "pip install 'shardvmc[checkpoint]'"
 """How to install what checkpoints need (orbax-checkpoint)."""
 RESIZED = "shardvmc.resized"
 """Metadata key a restore adds when it restored another number of walkers than saved."""
 
 _LIVE: weakref.WeakSet[Checkpointer] = weakref.WeakSet()  # whose writes wait_for_saves() and exit wait for
-_PENDING: dict[Path, _Write] = {}  # save_state's writes still running, by directory
+_PENDING: dict[Path, tuple[threading.Thread, list[BaseException]]] = {}  # save_state's writes, by directory
 
 
 def _orbax() -> Any:
@@ -91,12 +85,9 @@ class Checkpoint(NamedTuple):
     """What :func:`load_walkers` returns; unpack it as ``walkers, n_valid, metadata``.
 
     Attributes:
-        walkers: a :class:`~shardvmc.WalkerSet` shaped like ``like``, non-scalar
-            leaves sharded ``P(axis_name)`` and padded with copies of walker 0; scalar
-            leaves replicated.
+        walkers: a :class:`~shardvmc.WalkerSet` shaped like ``like``, sharded and padded for the mesh.
         n_valid: the number of real walkers, the first ones (``walkers.n_valid``).
-        metadata: the JSON metadata given at save time (``{}`` if none), and
-            ``metadata[sv.RESIZED]`` after a restore onto another walker count.
+        metadata: the metadata given at save time (``{}`` if none); ``metadata[sv.RESIZED]`` after a resize.
     """
 
     walkers: WalkerSet
@@ -130,13 +121,10 @@ def _stored_struct(entry: dict[str, Any]) -> tuple[tuple[int, ...], Any]:
     return shape, jnp.dtype(entry["dtype"])
 
 
-# ---------------------------------------------------------------- the layout of a state
-
-
 class _Layout(NamedTuple):
-    """A state taken apart: its leaves, its walker sets, and how to put it back together."""
+    """A state taken apart: its leaves ``(name, leaf, walker set index or None)``, its walker sets, the rest."""
 
-    slots: list[tuple[str, Any, int | None]]  # (name, leaf, index of its walker set or None)
+    slots: list[tuple[str, Any, int | None]]
     sets: list[tuple[str, WalkerSet]]
     top: Any  # treedef with WalkerSets as leaves
     nodes: list[Any]  # the top-level leaves: WalkerSets or plain leaves
@@ -170,9 +158,6 @@ def _rebuild(layout: _Layout, leaves: list[Any], counts: list[int]) -> Any:
     return jax.tree_util.tree_unflatten(layout.top, nodes)
 
 
-# ---------------------------------------------------------------- save
-
-
 def _prepare(where: str, state: Any, metadata: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     """The JSON header and the arrays for orbax (keyed by leaf index) of ``state``; every check on it."""
     if metadata is not None and not isinstance(metadata, Mapping):
@@ -197,21 +182,20 @@ def _prepare(where: str, state: Any, metadata: Any) -> tuple[dict[str, Any], dic
             value = leaf.hex() if isinstance(leaf, float) else value
             entries.append({**entry, "kind": "python", "type": type(leaf).__name__, "value": value, "shape": []})
             continue
-        if not (python or isinstance(leaf, (jax.Array, np.ndarray, np.generic))) or getattr(
-            leaf, "dtype", None
-        ) == np.dtype(object):
+        dtype = getattr(leaf, "dtype", None)
+        if not (python or isinstance(leaf, (jax.Array, np.ndarray, np.generic))) or dtype == np.dtype(object):
             raise _error(
                 where,
                 f"leaf {name} is not an array or a number, so it cannot be stored.",
                 "keep arrays, NumPy values and Python numbers or strings in the state; rebuild other objects "
                 "(functions, optimiser definitions) from the configuration on restore.",
-                type(leaf).__name__ if not hasattr(leaf, "dtype") else "an object array",
+                "an object array" if dtype is not None else type(leaf).__name__,
             )
         jax_held = isinstance(leaf, jax.Array) or k is not None  # restored as a jax.Array
         dtype = jax_dtype(leaf) if jax_held else np.asarray(leaf).dtype
         if is_key_dtype(dtype):
-            entry["key_impl"] = str(jax.random.key_impl(leaf))
-            leaf = jax.random.key_data(leaf)
+            leaf = cast(jax.Array, leaf)
+            entry["key_impl"], leaf = str(jax.random.key_impl(leaf)), jax.random.key_data(leaf)
         shape = list(np.shape(leaf))[: np.ndim(leaf) - (1 if entry["key_impl"] else 0)]
         entry.update(dtype=str(dtype), shape=shape, kind="array" if jax_held else "numpy")
         if k is not None and shape:
@@ -237,9 +221,7 @@ def _prepare(where: str, state: Any, metadata: Any) -> tuple[dict[str, Any], dic
 
 def _check_step(where: str, step: Any) -> int:
     if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
-        raise _error(
-            where, "step must be a non-negative int.", "pass the training step as an int, e.g. int(t).", repr(step)
-        )
+        raise _error(where, "step must be a non-negative int.", "pass the step as an int, e.g. int(t).", repr(step))
     return int(step)
 
 
@@ -251,28 +233,13 @@ def _write(manager: Any, step: int, header: dict[str, Any], arrays: dict[str, An
     manager.save(step, args=ocp.args.Composite(**items), force=True)
 
 
-class _Write(threading.Thread):
-    """An asynchronous :func:`save_state`: waits for the commit, closes its manager, and ends."""
-
-    def __init__(self, manager: Any) -> None:
-        super().__init__(name="shardvmc-save_state")  # not a daemon: a normal exit waits for the commit
-        self.manager, self.error = manager, None
-
-    def run(self) -> None:
-        try:
-            self.manager.close()
-        except BaseException as err:  # raised by the next wait_for_saves (or load_state, save_state of the path)
-            self.error = err
-
-
 def _settle(directory: Path | None = None) -> None:
     """Wait for this process's writes (to ``directory``, or all of them); raise the error of one that failed."""
     errors = []
-    for target, write in list(_PENDING.items()):
+    for target, (write, _) in list(_PENDING.items()):
         if directory in (None, target):
             write.join()
-            _PENDING.pop(target, None)
-            errors += [write.error] if write.error else []
+            errors += _PENDING.pop(target, (None, []))[1]
     for checkpointer in list(_LIVE):
         if directory in (None, checkpointer.directory):
             checkpointer.wait()
@@ -293,12 +260,20 @@ def _save_once(where: str, path: str | os.PathLike[str], state: Any, metadata: A
         latest = manager.latest_step()
         _write(manager, 0 if latest is None else latest + 1, header, arrays)
     finally:
-        if asynchronous:
-            _PENDING[directory] = _Write(manager)
-            _PENDING[directory].start()
+        if asynchronous:  # a thread waits for the commit, closes the manager, and ends (a normal exit waits for it)
+            error: list[BaseException] = []
+            _PENDING[directory] = (threading.Thread(target=_close, args=(manager, error)), error)
+            _PENDING[directory][0].start()
         else:
             manager.close()
     return Path(path)
+
+
+def _close(manager: Any, error: list[BaseException]) -> None:
+    try:
+        manager.close()
+    except BaseException as err:  # raised by the next wait_for_saves (or load_state, save_state of the path)
+        error.append(err)
 
 
 def wait_for_saves() -> None:
@@ -316,13 +291,8 @@ def wait_for_saves() -> None:
 @atexit.register
 def _wait_at_exit() -> None:  # pragma: no cover - runs at interpreter exit
     for checkpointer in list(_LIVE):
-        try:
+        with contextlib.suppress(Exception):  # the program is ending: its own error, if any, was reported
             checkpointer.close()
-        except Exception:  # the program is ending: its own error, if any, was reported
-            pass
-
-
-# ---------------------------------------------------------------- the header and `like`
 
 
 def _check_header(header: Any, broken: Callable[..., CallError]) -> None:
@@ -389,7 +359,9 @@ def _python_value(kind: Any, value: Any) -> Any:
 
 def _check_like(where: str, path: Path, header: dict[str, Any], layout: _Layout) -> None:
     """``like``'s structure, dtypes and shapes against the (checked) header, naming what differs."""
-    have, want = [e["path"] for e in header["leaves"]], [name for name, _, _ in layout.slots]
+    # (the walker sets too: a WalkerSet where the saved state had another node is another structure)
+    have = [e["path"] for e in header["leaves"]] + [f"WalkerSet {s['path']}" for s in header["walker_sets"]]
+    want = [name for name, _, _ in layout.slots] + [f"WalkerSet {name}" for name, _ in layout.sets]
     if have != want:
         missing, extra = [p for p in have if p not in want], [p for p in want if p not in have]
         raise _error(
@@ -400,15 +372,6 @@ def _check_like(where: str, path: Path, header: dict[str, Any], layout: _Layout)
             f"leaves of `like` {want}"
             + (f"; only in the file: {missing}" if missing else "")
             + (f"; only in `like`: {extra}" if extra else ""),
-        )
-    saved_sets, like_sets = [s["path"] for s in header["walker_sets"]], [name for name, _ in layout.sets]
-    if saved_sets != like_sets:
-        raise _error(
-            where,
-            f"the walker sets saved in {str(path)!r} are not where `like` has its WalkerSets.",
-            "pass a `like` that holds a sv.WalkerSet wherever the saved state held one.",
-            f"saved WalkerSets at {saved_sets}",
-            f"WalkerSets of `like` at {like_sets}",
         )
     for entry, (name, model, _) in zip(header["leaves"], layout.slots):
         kind, model_shape, saved_shape = entry["kind"], tuple(np.shape(model)), tuple(entry["shape"])
@@ -453,18 +416,13 @@ def _check_like_dtype(where: str, path: Path, entry: dict[str, Any], model: Any)
 
 
 def restored_count(where: str, path: Path, saved: int, expected: int | None, n_walkers: Any) -> int:
-    """The number of walkers to restore of ``saved``: ``n_walkers``, checked, else the saved count.
-
-    ``expected`` is the count of a ``WalkerSet`` given as ``like`` (``None``: any).
-    """
-    if n_walkers is not None:
-        if isinstance(n_walkers, bool) or not isinstance(n_walkers, (int, np.integer)) or n_walkers < 1:
-            fix = f"pass n_walkers=None for the saved {saved}, or a count such as {saved}."
-            raise _error(
-                where, "n_walkers must be a positive int, the number of walkers to restore.", fix, repr(n_walkers)
-            )
-        return int(n_walkers)
-    if expected is not None and expected != saved:
+    """The number of walkers to restore of ``saved``: ``n_walkers``, else the saved count (that of a ``like``)."""
+    if n_walkers is not None and (
+        isinstance(n_walkers, bool) or not isinstance(n_walkers, (int, np.integer)) or n_walkers < 1
+    ):
+        fix = f"pass n_walkers=None for the saved {saved}, or a count such as {saved}."
+        raise _error(where, "n_walkers must be a positive int, the number of walkers to restore.", fix, repr(n_walkers))
+    if n_walkers is None and expected is not None and expected != saved:
         raise _error(
             where,
             f"{str(path)!r} holds {saved} walkers, but the WalkerSet `like` expects {expected}.",
@@ -473,10 +431,7 @@ def restored_count(where: str, path: Path, saved: int, expected: int | None, n_w
             f"{saved} saved walkers",
             f"{expected} (like.n_valid)",
         )
-    return saved
-
-
-# ---------------------------------------------------------------- restore
+    return saved if n_walkers is None else int(n_walkers)
 
 
 @functools.partial(jax.jit, static_argnames=("target", "saved", "sharding"))
@@ -491,21 +446,15 @@ def _relayout(x: jax.Array, target: int, saved: int, sharding: NamedSharding) ->
 
 
 def _restore(
-    where: str,
-    path: Path,
-    header: Any,
-    read: Callable[[dict[str, Any]], dict[str, Any]],
-    like: Any,
-    mesh: Mesh | None,
-    axis_name: str,
-    n_walkers: int | None,
-    broken: Callable[..., CallError],
+    where: str, path: Path, source: tuple[Any, Callable, Callable], like: Any, mesh: Any, axis_name: str, n_walkers: Any
 ) -> tuple[Any, dict[str, Any]]:
-    """The state in ``header`` onto ``mesh``; ``read({leaf: (sharding, shape, dtype)})`` reads the arrays.
+    """The state of ``source``, ``(header, read, broken)``, onto ``mesh``, in the structure of ``like``.
 
-    ``read`` returns walker leaves with the rows ``shape`` asks for (zeros past the saved
-    rows), other arrays as stored (``sharding`` ``None``: NumPy).
+    ``read({leaf: (sharding, shape, dtype)})`` reads the arrays, checked against the header: walker leaves
+    with the rows ``shape`` asks for (zeros past the saved rows), others as stored (``sharding`` ``None``: NumPy).
+    ``broken(problem, got)`` is the error of a damaged checkpoint.
     """
+    header, read, broken = source
     mesh = resolve_mesh(mesh, axis_name, where=where)
     _check_header(header, broken)
     layout = _layout(like)
@@ -533,9 +482,7 @@ def _restore(
         if entry["kind"] == "python":
             leaves.append(_python_value(entry["type"], entry["value"]))
             continue
-        value, (_, shape, dtype) = arrays.get(str(i)), specs[str(i)]
-        if value is None or np.dtype(value.dtype) != np.dtype(dtype) or value.shape != shape:
-            raise broken(f"is inconsistent: leaf {entry['path']} is missing, or of another dtype or shape.")
+        value = arrays[str(i)]
         if entry["kind"] == "walker":
             target, saved = targets[entry["set"]], sets[entry["set"]]["n_valid"]
             if value.shape[0] > target or target > saved:  # padding rows to fill, or walkers to repeat
@@ -570,9 +517,8 @@ def _restore_step(
         raise broken("has no readable header.", f"{type(err).__name__}: {err}") from None
 
     def read(specs: dict[str, Any]) -> dict[str, Any]:
-        # orbax-checkpoint 0.12.8 raises on the first array read that fails and leaves the others running on an event
-        # loop it has closed (they report unraisable errors later, in whatever code runs then): orbax's metadata of
-        # the stored arrays is checked against the header before any read starts.
+        # orbax-checkpoint 0.12.8 raises on the first read that fails and leaves the others running on a closed event
+        # loop (unraisable errors later, in other code): the stored arrays' metadata is checked before any read.
         from etils import epath  # orbax-checkpoint's own path type (installed with it)
 
         handler = ocp.PyTreeCheckpointHandler()
@@ -602,7 +548,7 @@ def _restore_step(
         except Exception as err:
             raise broken("has arrays that cannot be read.", f"{type(err).__name__}: {err}") from None
 
-    return _restore(where, directory, header, read, like, mesh, axis_name, n_walkers, broken)
+    return _restore(where, directory, (header, read, broken), like, mesh, axis_name, n_walkers)
 
 
 def _load(
@@ -626,9 +572,6 @@ def _load(
         manager.close()
 
 
-# ---------------------------------------------------------------- the public functions
-
-
 def save_walkers(
     path: str | os.PathLike[str],
     tree: Any,
@@ -638,17 +581,13 @@ def save_walkers(
 ) -> Path:
     """Save walkers at ``path`` (a directory) as :func:`save_state` saves the state that is one ``WalkerSet``.
 
-    Non-scalar leaves are walker leaves (each process writes the rows its devices hold;
-    nothing is gathered), scalar leaves are saved replicated, every leaf in the dtype
-    JAX holds it in (a float64 NumPy leaf as float32 unless ``jax_enable_x64`` is on).
-    Returns once the checkpoint is committed; it replaces the previous one at ``path``
-    only then, so a writer killed at any moment leaves the previous one loadable. With
-    several processes, call it on every process, on a directory all of them see.
+    Non-scalar leaves are walker leaves, scalar leaves are replicated; every leaf in the
+    dtype JAX holds it in (a float64 NumPy leaf: float32 unless ``jax_enable_x64`` is on).
+    Returns once committed; the previous checkpoint at ``path`` is replaced only then.
 
     Args:
         path: the checkpoint's directory (created if missing).
-        tree: a :class:`~shardvmc.WalkerSet` (its count is saved) or a pytree of walkers
-            (sharded ``jax.Array`` or host arrays; typed PRNG keys included).
+        tree: a :class:`~shardvmc.WalkerSet` (its count is saved) or a pytree of walkers.
         n_valid: the number of real walkers (the first ones); ``None``: the
             ``WalkerSet``'s count, else all.
         metadata: JSON-serialisable data stored with the walkers (step, energy, ...).
@@ -663,8 +602,7 @@ def save_walkers(
 
     Example:
         >>> import os, tempfile, jax, jax.numpy as jnp, shardvmc as sv
-        >>> mesh = sv.create_mesh(jax.devices()[:4])
-        >>> walkers = sv.WalkerSet({"r": sv.shard_walker(jnp.arange(24.0).reshape(8, 3), mesh)}, n_valid=6)
+        >>> walkers = sv.WalkerSet({"r": sv.shard_walker(jnp.arange(24.0).reshape(8, 3))}, n_valid=6)
         >>> sv.save_walkers(os.path.join(tempfile.mkdtemp(), "walkers"), walkers, metadata={"step": 100}).name
         'walkers'
     """
@@ -694,12 +632,10 @@ def load_walkers(
 ) -> Checkpoint:
     """Read walkers saved by :func:`save_walkers` (or a 0.2.0 ``.npz`` walker file) onto ``mesh``.
 
-    As :func:`load_state` restores a walker set: padded for ``mesh`` (any number of
-    devices and processes) with copies of walker 0, each process reading its own
-    devices' rows (of a 0.2.0 file, the whole file). ``n_walkers`` restores another
-    count: fewer keeps the first ones; more repeats the saved walkers in order (walker
-    ``i`` is saved walker ``i % saved``; copies need burn-in), and ``metadata[sv.RESIZED]``
-    says so: ``{"saved", "restored", "duplicated", "dropped", "needs_burn_in"}``.
+    As :func:`load_state` restores a walker set (of a 0.2.0 file, each process reads the
+    whole file). ``n_walkers`` restores another count: fewer keeps the first ones; more
+    repeats the saved walkers in order (walker ``i`` is saved walker ``i % saved``;
+    copies need burn-in), and ``metadata[sv.RESIZED]`` says so.
 
     Args:
         path: a directory written by :func:`save_walkers`, or a 0.2.0 ``.npz`` file.
@@ -715,9 +651,7 @@ def load_walkers(
 
     Raises:
         FileNotFoundError: when ``path`` does not exist.
-        CallError: for a damaged checkpoint (naming it), pytree paths, dtypes or
-            per-walker shapes other than ``like``'s (naming the leaf and both values), a
-            ``WalkerSet`` ``like`` of another count, or a bad ``n_walkers``.
+        CallError: as :func:`load_state`.
         ImportError: when orbax-checkpoint is not installed (0.2.0 files need no orbax).
 
     Example:
@@ -728,15 +662,14 @@ def load_walkers(
         >>> walkers.data["r"].shape, walkers.data["r"].sharding.spec, n_valid, walkers.n_valid, meta
         ((9, 3), P('walkers',), 7, 7, {'step': 5})
         >>> more = sv.load_walkers(path, {"r": jnp.zeros((1, 3))}, n_walkers=10)
-        >>> more.n_valid, more.metadata[sv.RESIZED]["duplicated"], more.metadata[sv.RESIZED]["needs_burn_in"]
-        (10, 3, True)
+        >>> more.n_valid, more.metadata[sv.RESIZED]
+        (10, {'saved': 7, 'restored': 10, 'duplicated': 3, 'dropped': 0, 'needs_burn_in': True})
     """
     where, path = "load_walkers", Path(path)
     like_data, expected = split_walker_set(like)
     root = WalkerSet.tree_unflatten(expected or 0, (like_data,))  # the walker-only state (0: any count)
     if path.is_file():
-        header, read, broken = _npz.open_file(path)
-        walkers, metadata = _restore(where, path, header, read, root, mesh, axis_name, n_walkers, broken)
+        walkers, metadata = _restore(where, path, _npz.open_file(path), root, mesh, axis_name, n_walkers)
     else:
         walkers, metadata = _load(where, path, root, mesh, axis_name, n_walkers)
     return Checkpoint(walkers, walkers.n_valid, metadata)
@@ -746,14 +679,13 @@ def save_state(path: str | os.PathLike[str], state: Any, *, metadata: dict[str, 
     """Save a whole training state at ``path``, asynchronously; returns once the state is on the host.
 
     ``state`` is any pytree of :class:`~shardvmc.WalkerSet`\\ s (each process writes the
-    rows its devices hold, padding included; the counts are saved), replicated
-    ``jax.Array``\\ s (parameters, ``optax`` and ``kfac-jax`` states), NumPy arrays and
-    scalars, Python ``bool``/``int``/``float``/``complex``/``str`` and typed PRNG keys.
-    ``path`` is a directory holding the latest state; a new save replaces it once
-    committed. The write ends with its commit, in the background: the next save to
-    ``path``, :func:`wait_for_saves`, :func:`load_state` and a normal exit wait for it.
-    :class:`Checkpointer` adds steps and retention. With several processes, call it on
-    every process, on a directory all of them see.
+    rows its devices hold, padding included), replicated ``jax.Array``\\ s (parameters,
+    optax and kfac-jax states), NumPy values, Python ``bool``/``int``/``float``/
+    ``complex``/``str`` and typed PRNG keys. ``path`` is a directory holding the latest
+    state, replaced only once a new one is committed. The write ends with its commit:
+    the next save to ``path``, :func:`wait_for_saves`, :func:`load_state` and a normal
+    exit wait for it. With several processes, call it on every process, on a directory
+    all of them see; :class:`Checkpointer` adds steps and retention.
 
     Args:
         path: the directory (created if missing).
@@ -791,34 +723,32 @@ def load_state(
 ) -> tuple[Any, dict[str, Any]]:
     """Read a state saved by :func:`save_state` (or a :class:`Checkpointer`) onto ``mesh``, exactly.
 
-    Leaves come back by the kind they were saved as: walker-set leaves sharded over the
-    walker axis of ``mesh`` (any number of devices and processes; each process reads its
-    own devices' rows) and padded with copies of walker 0; other ``jax.Array`` leaves
-    replicated; NumPy and Python values as they were; typed keys as keys. ``n_walkers``
-    restores every walker set onto that count, as :func:`load_walkers` does (with several
-    sets, ``metadata[sv.RESIZED]`` is a dict of them by pytree path).
+    Walker-set leaves come back sharded over the walker axis of ``mesh`` (any number of
+    devices and processes; each process reads its own devices' rows), padded with
+    copies of walker 0; other ``jax.Array`` leaves replicated; NumPy and Python values
+    and typed keys as they were. ``n_walkers`` restores every walker set onto that count
+    (see :func:`load_walkers`; with several sets, ``metadata[sv.RESIZED]`` is a dict of
+    them by pytree path).
 
     Args:
-        path: a directory written by :func:`save_state` (or a :class:`Checkpointer`'s
-            directory, for its latest step, or one of its step directories).
+        path: a directory written by :func:`save_state`, a :class:`Checkpointer`'s
+            directory (its latest step), or one of its step directories.
         like: the saved state's structure, dtypes and shapes: the freshly initialised
-            state of the same configuration, or its ``jax.eval_shape`` (which shows a
-            NumPy leaf's dtype as JAX would hold it; it comes back in its saved dtype).
-            Its ``WalkerSet``\\ s may hold any walker count; their ``n_valid`` must be the
-            saved count unless ``n_walkers`` is given.
+            state, or its ``jax.eval_shape`` (a NumPy leaf comes back in its saved dtype,
+            which ``like`` may show as JAX holds it). Its ``WalkerSet``\\ s may hold any
+            walker count; their ``n_valid`` is the saved count unless ``n_walkers`` is given.
         mesh: the mesh to restore onto; defaults to the ``use_mesh`` one, else all devices.
         axis_name: the walker axis of ``mesh``.
         n_walkers: the number of walkers to restore in each walker set; ``None``: the saved counts.
 
     Returns:
-        ``(state, metadata)``: the state in the structure of ``like``, and the metadata
-        given at save time (``{}`` if none).
+        ``(state, metadata)``, the metadata given at save time (``{}`` if none).
 
     Raises:
         FileNotFoundError: when ``path`` does not exist.
-        CallError: for a checkpoint that is damaged or not a state checkpoint, whose
-            structure, kinds, dtypes or shapes differ from ``like`` (naming the leaf),
-            a ``WalkerSet`` ``like`` of another count, or a bad ``n_walkers``.
+        CallError: for a damaged checkpoint (naming it), a structure, dtype or shape
+            other than ``like``'s (naming the leaf), a ``WalkerSet`` ``like`` of another
+            count, or a bad ``n_walkers``.
     """
     path = Path(path).absolute()
     if path.is_file():
@@ -831,31 +761,26 @@ def load_state(
 class Checkpointer:
     """Training-state checkpoints in a directory: asynchronous saves, the last ``keep`` steps, elastic restores.
 
-    ``save(step, state)`` returns once the state is on the host and writes it while the
-    run goes on (the next ``save`` or :meth:`wait` waits for it, so writes never
-    overlap); :meth:`restore` reads the latest (or any kept) step onto any mesh, as
-    :func:`load_state`. ``state`` is what :func:`save_state` takes. Each step is one
-    orbax step directory ``<directory>/<step>``, committed once every process has
-    written its part. With several processes, create it and call :meth:`save` and
-    :meth:`restore` on every process, on a directory all of them see. Use it as a
-    context manager, or call :meth:`close` (a normal exit also waits for its writes).
+    ``save(step, state)`` returns once the state is on the host and writes it in the
+    background (the next ``save`` or :meth:`wait` waits for it); :meth:`restore` reads
+    a kept step as :func:`load_state` does. Each step is an orbax step directory
+    ``<directory>/<step>``, committed once every process has written its part. With
+    several processes, create it and call :meth:`save` and :meth:`restore` on every
+    process. Use it as a context manager, or call :meth:`close`.
 
     Args:
         directory: where the steps live (created if missing).
         keep: how many of the latest steps to keep (``None``: all).
-        asynchronous: write in the background (``False``: :meth:`save` returns once
-            the step is committed).
+        asynchronous: write in the background (``False``: :meth:`save` returns once committed).
 
     Raises:
         ImportError: when orbax-checkpoint is not installed (``pip install 'shardvmc[checkpoint]'``).
 
     Example:
         >>> import tempfile, jax, jax.numpy as jnp, optax, shardvmc as sv
-        >>> mesh = sv.create_mesh(jax.devices()[:4])
-        >>> params = sv.replicate({"w": jnp.ones(3)}, mesh)
-        >>> state = {"walkers": sv.initialize_walkers_sharded(lambda k: jax.random.normal(k, (2, 3)), 6, mesh,
-        ...                                                   key=jax.random.key(0)),
-        ...          "params": params, "opt": optax.adam(1e-3).init(params), "step": 0}
+        >>> params = sv.replicate({"w": jnp.ones(3)})
+        >>> walkers = sv.initialize_walkers_sharded(lambda k: jax.random.normal(k, (2, 3)), 6, key=jax.random.key(0))
+        >>> state = {"walkers": walkers, "params": params, "opt": optax.adam(1e-3).init(params), "step": 0}
         >>> with sv.Checkpointer(tempfile.mkdtemp(), keep=2) as ckpt:
         ...     for step in range(3):
         ...         _ = ckpt.save(step, {**state, "step": step}, metadata={"energy": -1.0})
@@ -867,7 +792,6 @@ class Checkpointer:
     """
 
     def __init__(self, directory: str | os.PathLike[str], *, keep: int | None = 3, asynchronous: bool = True) -> None:
-        _orbax()
         if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
             problem = "keep must be a positive int (the number of latest steps kept) or None (all)."
             raise _error("Checkpointer", problem, "pass keep=3, for example.", repr(keep))
@@ -876,11 +800,10 @@ class Checkpointer:
         _LIVE.add(self)
 
     def save(self, step: int, state: Any, *, metadata: dict[str, Any] | None = None) -> bool:
-        """Save ``state`` (with JSON ``metadata``) as ``step``; returns once the state is on the host.
+        """Save ``state`` with ``metadata`` as ``step`` (see :func:`save_state`); returns once it is on the host.
 
-        A later :meth:`save`, :meth:`wait` or :meth:`close` waits for the write (and
-        raises its error). The caller may change, donate or delete the state's arrays as
-        soon as this returns.
+        The caller may change, donate or delete the state's arrays at once; a later
+        :meth:`save`, :meth:`wait` or :meth:`close` waits for the write (and raises its error).
 
         Returns:
             ``True``; ``False`` (and nothing written) when ``step`` is already saved,
@@ -905,12 +828,7 @@ class Checkpointer:
         axis_name: str = "walkers",
         n_walkers: int | None = None,
     ) -> tuple[Any, dict[str, Any]]:
-        """Read ``step`` (default: the latest) onto ``mesh``, as :func:`load_state`; returns ``(state, metadata)``.
-
-        Raises:
-            FileNotFoundError: when the directory holds no step (or not ``step``).
-            CallError: as :func:`load_state`.
-        """
+        """Read ``step`` (default: the latest) as :func:`load_state` does (``FileNotFoundError`` if not kept)."""
         where = "Checkpointer.restore"
         self.wait()
         steps = sorted(self._manager.all_steps())
