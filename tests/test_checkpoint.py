@@ -942,6 +942,65 @@ def test_save_state_replaces_the_previous_state(tmp_path: Path) -> None:
     assert [p.name for p in path.iterdir() if not p.name.startswith(".")] == ["1"]
 
 
+def _every_kind(mesh: Any) -> dict[str, Any]:
+    """A state of every leaf kind docs/reliability.md lists that ``jax.eval_shape`` can describe (it takes no str)."""
+    r = np.arange(24.0).reshape(8, 3).astype(jnp.result_type(float))  # float32, or float64 with x64 on
+    walkers = {"r": r, "key": jax.random.split(jax.random.key(0), 8)}
+    return {
+        "walkers": sv.WalkerSet(sv.shard_walker(walkers, mesh), n_valid=6),
+        "params": sv.replicate({"w": jnp.linspace(0.0, 1.0, 3), "half": jnp.ones(2, jnp.bfloat16)}, mesh),
+        "key": jax.random.key(1),
+        "history": np.array([-0.5, np.nextafter(-0.25, 0.0)]),  # a NumPy float64 history, whatever the x64 setting
+        "counts": np.arange(3, dtype=np.int64),
+        "f32": np.float32(1.5),
+        "scalar_array": np.array(4.0),
+        "step": 7,
+        "lr": 0.1,
+        "flag": True,
+        "z": 1 - 2j,
+    }
+
+
+@pytest.mark.parametrize("x64", [False, True], ids=["x64-off", "x64-on"])
+def test_a_like_made_by_eval_shape_restores_every_leaf_kind(tmp_path: Path, x64: bool) -> None:
+    """``jax.eval_shape`` shows NumPy leaves as JAX would hold them (float32 for a float64 history with x64 off):
+    they come back as saved, in their own dtype and type."""
+    with jax.enable_x64(x64):
+        state = _every_kind(sv.create_mesh(jax.devices()[:4]))
+        sv.save_state(tmp_path / "s", state)
+        like = jax.eval_shape(lambda: state)
+        assert x64 or like["history"].dtype == jnp.float32
+        mesh = sv.create_mesh(jax.devices()[:3])
+        restored, _ = sv.load_state(tmp_path / "s", like, mesh=mesh)
+    got_leaves = jax.tree_util.tree_flatten_with_path(restored)[0]
+    assert len(got_leaves) == len(jax.tree_util.tree_leaves(state))
+    for (path, got), want in zip(got_leaves, jax.tree_util.tree_leaves(state)):
+        name = jax.tree_util.keystr(path)
+        assert getattr(got, "dtype", None) == getattr(want, "dtype", None), name
+        if "walkers" in name:  # sharded on the new mesh, padded for it
+            assert isinstance(got, jax.Array) and got.sharding.mesh == mesh, name
+            got, want = _host(got)[:6], _host(want)[:6]
+        else:
+            assert type(got) is type(want) or isinstance(want, jax.Array) and isinstance(got, jax.Array), name
+        np.testing.assert_array_equal(_host(got), _host(want), err_msg=name)
+
+
+def test_a_dtype_that_differs_is_named_and_x64_only_blamed_when_it_is_the_cause(tmp_path: Path) -> None:
+    state = {"history": np.zeros(3), "w": jnp.zeros(2)}  # NumPy float64 with x64 off, float32 JAX
+    sv.save_state(tmp_path / "off", state)
+    with pytest.raises(sv.CallError) as info:
+        sv.load_state(tmp_path / "off", {**state, "history": np.zeros(3, np.float32)})
+    text = str(info.value)
+    assert "leaf ['history'] was saved as float64, but `like` has float32" in text and "x64" not in text, text
+    with jax.enable_x64(True):
+        sv.save_state(tmp_path / "on", {**state, "w": jnp.zeros(2)})  # float64 JAX
+    with pytest.raises(sv.CallError) as info:
+        sv.load_state(tmp_path / "on", jax.eval_shape(lambda: state))
+    text = str(info.value)
+    assert "leaf ['w'] was saved as float64, but `like` has float32" in text, text
+    assert "saved with jax_enable_x64 on" in text, text
+
+
 def test_python_and_numpy_leaves_keep_their_kind(tmp_path: Path) -> None:
     tree = {
         "int": 2**70,
