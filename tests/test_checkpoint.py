@@ -1001,6 +1001,18 @@ def test_a_dtype_that_differs_is_named_and_x64_only_blamed_when_it_is_the_cause(
     assert "saved with jax_enable_x64 on" in text, text
 
 
+def test_no_manager_or_thread_outlives_its_save(tmp_path: Path) -> None:
+    """save_walkers returns with its write closed; save_state's write ends with its commit, whatever the paths."""
+    before = set(threading.enumerate())
+    sv.save_walkers(tmp_path / "w", {"r": np.zeros((4, 3), np.float32)})
+    assert set(threading.enumerate()) <= before
+    for k in range(4):
+        sv.save_state(tmp_path / f"s{k}", {"x": np.arange(3.0), "k": k})
+    sv.wait_for_saves()
+    assert set(threading.enumerate()) <= before
+    assert [sv.load_state(tmp_path / f"s{k}", {"x": np.zeros(3), "k": 0})[0]["k"] for k in range(4)] == [0, 1, 2, 3]
+
+
 def test_python_and_numpy_leaves_keep_their_kind(tmp_path: Path) -> None:
     tree = {
         "int": 2**70,
