@@ -15,8 +15,12 @@ from . import mcmc as mcmc
 from ._caches import clear_caches as clear_caches
 from ._checkpoint import RESIZED as RESIZED
 from ._checkpoint import Checkpoint as Checkpoint
+from ._checkpoint import Checkpointer as Checkpointer
+from ._checkpoint import load_state as load_state
 from ._checkpoint import load_walkers as load_walkers
+from ._checkpoint import save_state as save_state
 from ._checkpoint import save_walkers as save_walkers
+from ._checkpoint import wait_for_saves as wait_for_saves
 from ._decorator import WalkerParallel as WalkerParallel
 from ._decorator import replicated_args as replicated_args
 from ._decorator import walker_parallel as walker_parallel
@@ -55,10 +59,6 @@ from ._reductions import jtj as jtj
 from ._reductions import jtv as jtv
 from ._reductions import walker_mean as walker_mean
 from ._reductions import walker_sum as walker_sum
-from ._state import Checkpointer as Checkpointer
-from ._state import load_state as load_state
-from ._state import save_state as save_state
-from ._state import wait_for_saves as wait_for_saves
 from ._stats import all_walkers as all_walkers
 from ._vmap import get_vmap_fn as get_vmap_fn
 from ._vmap import initialize_walkers_sharded as initialize_walkers_sharded

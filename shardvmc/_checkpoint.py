@@ -1,71 +1,93 @@
-"""Walker checkpoints: atomic ``.npz`` files that restore onto any number of devices and processes.
+"""Checkpoints on orbax-checkpoint: training states, and walkers alone as the state that is one ``WalkerSet``.
 
-A checkpoint holds the valid walkers only (padding is dropped), so it can be restored
-onto a mesh of another size, where it is padded again for that mesh. Files are plain
-NumPy ``.npz`` archives read with ``allow_pickle=False``, each with a JSON header
-(format version, pytree paths, dtypes, shapes, ``n_valid``, metadata).
-
-Two layouts, one reader:
-
-* one process: one file at ``path`` (format version 1) with one entry per leaf;
-* several processes: no process ever holds the whole walker set. Every process writes
-  the walker rows it holds to its own part file ``<path>.d-<token>/part-<process>.npz``,
-  then process 0 writes a small manifest at ``path`` (format version 2: the header,
-  the scalar leaves, and which rows of which leaf each part holds). The manifest is the
-  commit marker: it replaces the previous one atomically, only once every part is on
-  disk; then the other data directories of ``path`` (the replaced one, and any left by
-  a save killed before its commit) are removed.
-
-A restore reads the header, and each process reads only the part files that hold the
-rows its own devices get (``jax.make_array_from_callback``).
+Leaves are stored by kind: "walker" (the non-scalar leaves of a ``WalkerSet``, each process writing its rows),
+"array" (other ``jax.Array`` leaves, replicated, and the scalar leaves of a set; both in the dtype JAX holds),
+"numpy" (host data, in its own dtype), "python" (in the header); typed keys as key data and implementation. A
+checkpoint is one orbax step directory with two items: ``arrays`` (orbax's PyTree handler) and ``shardvmc`` (the
+JSON header: leaf paths, kinds, dtypes, shapes, walker sets' counts, metadata). Every restore goes one way:
+:func:`_check_header`, the check against ``like``, the arrays read onto the new mesh, :func:`_relayout` for the
+walker sets. Walker files of shardvmc 0.2.0 (``.npz``) enter the same way through :mod:`shardvmc._npz`.
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
+import functools
 import json
 import os
-import re
-import secrets
-import shutil
-from collections.abc import Mapping
+import threading
+import weakref
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.core import Tracer
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 
-from . import _compat
+from . import _compat, _npz
 from ._errors import CallError, message
-from ._mesh import get_walker_sharding, resolve_mesh
-from ._placement import pad_n_walkers, replicate
+from ._mesh import get_replicated_sharding, get_walker_sharding, resolve_mesh
+from ._placement import pad_n_walkers
 from ._walkerset import WalkerSet, check_n_valid, split_walker_set, walker_count
 
-__all__ = ["Checkpoint", "RESIZED", "load_walkers", "save_walkers"]
+__all__ = [
+    "RESIZED",
+    "Checkpoint",
+    "Checkpointer",
+    "load_state",
+    "load_walkers",
+    "save_state",
+    "save_walkers",
+    "wait_for_saves",
+]
 
-_FORMAT = "shardvmc-walkers"
-_VERSION = 1  # one file holding every leaf
-_MANIFEST_VERSION = 2  # a manifest naming one part file per saving process
-_HEADER = "__shardvmc__"
-_DATA_SUFFIX = r"\.d-[0-9a-f]{16}"  # <manifest name>.d-<token>: the data directory of a manifest
+_ARRAYS, _HEADER = "arrays", "shardvmc"  # the orbax items: every stored array (keyed by leaf index); the header
+_KINDS = ("walker", "array", "numpy", "python")
+INSTALL = "pip install 'shardvmc[checkpoint]'"
+"""How to install what checkpoints need (orbax-checkpoint)."""
 RESIZED = "shardvmc.resized"
-"""Metadata key :func:`load_walkers` adds when it restored another number of walkers than saved."""
+"""Metadata key a restore adds when it restored another number of walkers than saved."""
+
+_LIVE: weakref.WeakSet[Checkpointer] = weakref.WeakSet()  # whose writes wait_for_saves() and exit wait for
+_PENDING: dict[Path, tuple[threading.Thread, list[BaseException]]] = {}  # save_state's writes, by directory
+
+
+def _orbax() -> Any:
+    try:
+        import orbax.checkpoint as ocp
+    except ImportError as err:
+        raise ImportError(
+            "shardvmc's checkpoints (sv.save_state, sv.load_state, sv.Checkpointer, sv.save_walkers, "
+            f"sv.load_walkers) store their data with orbax-checkpoint, which is not installed: {INSTALL} "
+            "(walker files written by shardvmc 0.2.0 load without it)"
+        ) from err
+    return ocp
+
+
+def _manager(directory: Path, keep: int | None = 1, asynchronous: bool = False, write: bool = True) -> Any:
+    """An orbax manager of ``directory`` (``write=False``: one that only reads, and creates nothing)."""
+    ocp = _orbax()
+    options = ocp.CheckpointManagerOptions(
+        max_to_keep=keep, enable_async_checkpointing=asynchronous, cleanup_tmp_directories=write, create=write
+    )
+    return ocp.CheckpointManager(directory, options=options, item_names=(_ARRAYS, _HEADER))
+
+
+def _error(where: str, problem: str, fix: str, got: str | None = None, expected: str | None = None) -> CallError:
+    return CallError(message(where, problem, got=got, expected=expected, fix=fix))
 
 
 class Checkpoint(NamedTuple):
     """What :func:`load_walkers` returns; unpack it as ``walkers, n_valid, metadata``.
 
     Attributes:
-        walkers: a :class:`~shardvmc.WalkerSet` of the pytree of ``like``, every
-            non-scalar leaf sharded ``P(axis_name)`` on the mesh and padded to a
-            multiple of its size (copies of walker 0); scalar leaves replicated. Its
-            ``n_valid`` is the restored count.
+        walkers: a :class:`~shardvmc.WalkerSet` shaped like ``like``, sharded and padded for the mesh.
         n_valid: the number of real walkers, the first ones (``walkers.n_valid``).
-        metadata: the JSON metadata given to :func:`save_walkers` (``{}`` if none);
-            after a restore onto another walker count, also ``metadata[sv.RESIZED]``
-            (see :func:`load_walkers`).
+        metadata: the metadata given at save time (``{}`` if none); ``metadata[sv.RESIZED]`` after a resize.
     """
 
     walkers: WalkerSet
@@ -84,150 +106,470 @@ def jax_dtype(leaf: Any) -> Any:
     return dtype if is_key_dtype(dtype) else jnp.result_type(leaf)
 
 
-def path_name(path: Any) -> str:
-    """A pytree path as messages and headers show it (``['r']``; ``<root>`` for the root)."""
-    return jax.tree_util.keystr(path) or "<root>"
+def resized(saved: int, restored: int) -> dict[str, Any]:
+    """What ``metadata[sv.RESIZED]`` says after restoring ``restored`` walkers of ``saved``."""
+    duplicated, dropped = max(0, restored - saved), max(0, saved - restored)
+    return dict(saved=saved, restored=restored, duplicated=duplicated, dropped=dropped, needs_burn_in=restored > saved)
 
 
-def checked_metadata(where: str, metadata: Any) -> dict[str, Any]:
-    """``metadata`` as a dict that JSON can store, else a ``CallError``."""
+def _stored_struct(entry: dict[str, Any]) -> tuple[tuple[int, ...], Any]:
+    """Shape and dtype of a leaf as stored (key data for keys)."""
+    shape = tuple(entry["shape"])
+    if entry["key_impl"]:
+        data = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0, impl=entry["key_impl"])))
+        return (*shape, *data.shape), data.dtype
+    return shape, jnp.dtype(entry["dtype"])
+
+
+class _Layout(NamedTuple):
+    """A state taken apart: its leaves ``(name, leaf, walker set index or None)``, its walker sets, the rest."""
+
+    slots: list[tuple[str, Any, int | None]]
+    sets: list[tuple[str, WalkerSet]]
+    top: Any  # treedef with WalkerSets as leaves
+    nodes: list[Any]  # the top-level leaves: WalkerSets or plain leaves
+
+
+def _layout(tree: Any) -> _Layout:
+    top_leaves, top = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: isinstance(x, WalkerSet))
+    slots: list[tuple[str, Any, int | None]] = []
+    sets: list[tuple[str, WalkerSet]] = []
+    for path, node in top_leaves:
+        name = jax.tree_util.keystr(path)
+        if isinstance(node, WalkerSet):  # (a set at the root, as save_walkers saves: its leaves by their own paths)
+            for sub, leaf in jax.tree_util.tree_flatten_with_path(node.data)[0]:
+                slots.append((f"{name}.data" * bool(name) + jax.tree_util.keystr(sub) or "<root>", leaf, len(sets)))
+            sets.append((name or "<root>", node))
+        else:
+            slots.append((name or "<root>", node, None))
+    return _Layout(slots, sets, top, [node for _, node in top_leaves])
+
+
+def _rebuild(layout: _Layout, leaves: list[Any], counts: list[int]) -> Any:
+    """``layout``'s state with ``leaves`` in its slots and walker set ``k`` of count ``counts[k]``."""
+    it, nodes, k = iter(leaves), [], 0
+    for node in layout.nodes:
+        if isinstance(node, WalkerSet):
+            like_leaves, data_def = jax.tree_util.tree_flatten(node.data)
+            nodes.append(WalkerSet(jax.tree_util.tree_unflatten(data_def, [next(it) for _ in like_leaves]), counts[k]))
+            k += 1
+        else:
+            nodes.append(next(it))
+    return jax.tree_util.tree_unflatten(layout.top, nodes)
+
+
+def _prepare(where: str, state: Any, metadata: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The JSON header and the arrays for orbax (keyed by leaf index) of ``state``; every check on it."""
     if metadata is not None and not isinstance(metadata, Mapping):
-        raise CallError(
-            message(where, "metadata must be a dict.", got=type(metadata).__name__, fix="pass metadata={...}.")
-        )
-    meta = dict(metadata or {})
+        raise _error(where, "metadata must be a dict.", "pass metadata={...}.", type(metadata).__name__)
     try:
-        json.dumps(meta)
+        meta = json.loads(json.dumps(dict(metadata or {})))
     except (TypeError, ValueError) as err:
-        raise CallError(
-            message(
+        fix = "store numbers, strings, lists and dicts only (e.g. float(energy) instead of a jax.Array)."
+        raise _error(where, "metadata cannot be stored as JSON.", fix, str(err)) from None
+    layout = _layout(state)
+    sets: list[dict[str, Any]] = []
+    for name, node in layout.sets:
+        n = walker_count(node.data, where, "tree" if name == "<root>" else f"the WalkerSet {name}")
+        check_n_valid(where, node.n_valid, n)
+        sets.append({"path": name, "n_valid": int(node.n_valid), "n_walkers": n})
+    entries, arrays = [], {}
+    for i, (name, leaf, k) in enumerate(layout.slots):
+        entry: dict[str, Any] = {"path": name, "key_impl": None}
+        python = isinstance(leaf, (bool, int, float, complex, str)) and not isinstance(leaf, np.generic)
+        if python and k is None:
+            value = [leaf.real.hex(), leaf.imag.hex()] if isinstance(leaf, complex) else leaf
+            value = leaf.hex() if isinstance(leaf, float) else value
+            entries.append({**entry, "kind": "python", "type": type(leaf).__name__, "value": value, "shape": []})
+            continue
+        dtype = getattr(leaf, "dtype", None)
+        if not (python or isinstance(leaf, (jax.Array, np.ndarray, np.generic))) or dtype == np.dtype(object):
+            raise _error(
                 where,
-                "metadata cannot be stored as JSON.",
-                got=str(err),
-                fix="store numbers, strings, lists and dicts only (e.g. float(energy) instead of a jax.Array).",
+                f"leaf {name} is not an array or a number, so it cannot be stored.",
+                "keep arrays, NumPy values and Python numbers or strings in the state; rebuild other objects "
+                "(functions, optimiser definitions) from the configuration on restore.",
+                "an object array" if dtype is not None else type(leaf).__name__,
             )
-        ) from None
-    return meta
+        jax_held = isinstance(leaf, jax.Array) or k is not None  # restored as a jax.Array
+        dtype = jax_dtype(leaf) if jax_held else np.asarray(leaf).dtype
+        if is_key_dtype(dtype):
+            leaf = cast(jax.Array, leaf)
+            entry["key_impl"], leaf = str(jax.random.key_impl(leaf)), jax.random.key_data(leaf)
+        shape = list(np.shape(leaf))[: np.ndim(leaf) - (1 if entry["key_impl"] else 0)]
+        entry.update(dtype=str(dtype), shape=shape, kind="array" if jax_held else "numpy")
+        if k is not None and shape:
+            entry.update(kind="walker", set=k)
+        elif isinstance(leaf, jax.Array) and not leaf.sharding.is_fully_replicated:
+            raise _error(
+                where,
+                f"leaf {name} is sharded, but only the leaves of a WalkerSet are stored and restored sharded.",
+                "put walker data in a sv.WalkerSet (it carries its count); replicate other arrays (sv.replicate).",
+                f"{dtype}{shape} with sharding {leaf.sharding}",
+            )
+        elif not jax_held:
+            entry["scalar"] = isinstance(leaf, np.generic)
+        if isinstance(leaf, jax.Array) and (jax.process_count() == 1 or not leaf.is_fully_addressable):
+            arrays[str(i)] = leaf  # orbax copies it to the host before the save returns
+        else:  # a copy the caller may change at once; an array on this process's devices only travels as host data
+            arrays[str(i)] = np.array(leaf, dtype=None if entry["key_impl"] else dtype, copy=True)
+        entries.append(entry)
+    saved_on = {"devices": jax.device_count(), "processes": jax.process_count()}
+    header = dict(format=_npz.FORMAT, version=1, leaves=entries, walker_sets=sets, metadata=meta, saved_on=saved_on)
+    return header, arrays
+
+
+def _check_step(where: str, step: Any) -> int:
+    if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
+        raise _error(where, "step must be a non-negative int.", "pass the step as an int, e.g. int(t).", repr(step))
+    return int(step)
+
+
+def _write(manager: Any, step: int, header: dict[str, Any], arrays: dict[str, Any]) -> None:
+    ocp = _orbax()
+    items: dict[str, Any] = {_HEADER: ocp.args.JsonSave(header)}
+    if arrays:
+        items[_ARRAYS] = ocp.args.PyTreeSave(arrays)
+    manager.save(step, args=ocp.args.Composite(**items), force=True)
+
+
+def _settle(directory: Path | None = None) -> None:
+    """Wait for this process's writes (to ``directory``, or all of them); raise the error of one that failed."""
+    errors = []
+    for target, (write, _) in list(_PENDING.items()):
+        if directory in (None, target):
+            write.join()
+            errors += _PENDING.pop(target, (None, []))[1]
+    for checkpointer in list(_LIVE):
+        if directory in (None, checkpointer.directory):
+            checkpointer.wait()
+    if errors:
+        raise errors[0]
+
+
+def _save_once(where: str, path: str | os.PathLike[str], state: Any, metadata: Any, asynchronous: bool) -> Path:
+    """Save ``state`` as the one step kept at ``path``, with a manager that ends with the write."""
+    header, arrays = _prepare(where, state, metadata)
+    directory = Path(path).absolute()
+    if directory.is_file():
+        problem = f"{str(path)!r} is a file (a walker file of shardvmc 0.2.0?), not a checkpoint directory."
+        raise _error(where, problem, "save to another path; sv.load_walkers still reads this file.")
+    _settle(directory)
+    manager = _manager(directory, keep=1, asynchronous=asynchronous)
+    try:
+        latest = manager.latest_step()
+        _write(manager, 0 if latest is None else latest + 1, header, arrays)
+    finally:
+        if asynchronous:  # a thread waits for the commit, closes the manager, and ends (a normal exit waits for it)
+            error: list[BaseException] = []
+            _PENDING[directory] = (threading.Thread(target=_close, args=(manager, error)), error)
+            _PENDING[directory][0].start()
+        else:
+            manager.close()
+    return Path(path)
+
+
+def _close(manager: Any, error: list[BaseException]) -> None:
+    try:
+        manager.close()
+    except BaseException as err:  # raised by the next wait_for_saves (or load_state, save_state of the path)
+        error.append(err)
+
+
+def wait_for_saves() -> None:
+    """Wait until every pending write (of :func:`save_state` and of every :class:`Checkpointer`) is committed.
+
+    Raises the error of a write that failed. Cheap when nothing is pending.
+
+    Example:
+        >>> import shardvmc as sv
+        >>> sv.wait_for_saves()  # nothing pending
+    """
+    _settle()
+
+
+@atexit.register
+def _wait_at_exit() -> None:  # pragma: no cover - runs at interpreter exit
+    for checkpointer in list(_LIVE):
+        with contextlib.suppress(Exception):  # the program is ending: its own error, if any, was reported
+            checkpointer.close()
+
+
+def _check_header(header: Any, broken: Callable[..., CallError]) -> None:
+    """Every field of a (possibly hand-edited) header, so that no later step meets a surprise."""
+
+    def malformed(what: str) -> CallError:
+        return broken(f"has a malformed header: {what}.")
+
+    if not isinstance(header, dict) or header.get("format") != _npz.FORMAT:
+        raise broken("is not a shardvmc state checkpoint (its header is another program's).")
+    if header.get("version") != 1 or type(header.get("version")) is not int:
+        raise broken(f"is format version {header.get('version')!r}, which this shardvmc cannot read.")
+    sets, entries = header.get("walker_sets"), header.get("leaves")
+    if not isinstance(header.get("metadata"), dict):
+        raise malformed("its metadata is not a dict")
+    if not isinstance(sets, list) or not all(
+        isinstance(s, dict)
+        and isinstance(s.get("path"), str)
+        and type(s.get("n_walkers")) is type(s.get("n_valid")) is int
+        and 1 <= s["n_valid"] <= s["n_walkers"]
+        for s in sets
+    ):
+        raise malformed("its walker sets are not a list of {path, n_valid, n_walkers} with 1 <= n_valid <= n_walkers")
+    if not isinstance(entries, list) or not all(
+        isinstance(e, dict) and isinstance(e.get("path"), str) and e.get("kind") in _KINDS for e in entries
+    ):
+        raise malformed("its leaves are not a list of {path, kind, ...} entries")
+    for e in entries:
+        name, shape, impl = e["path"], e.get("shape"), e.get("key_impl")
+        if e["kind"] == "python":
+            if _python_value(e.get("type"), e.get("value")) is _BAD:
+                raise malformed(f"leaf {name} holds {e.get('value')!r} as a {e.get('type')!r}")
+            continue
+        if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
+            raise malformed(f"leaf {name} has the shape {shape!r}, which is not a list of sizes")
+        try:
+            jax.eval_shape(lambda: jax.random.key(0, impl=impl)) if impl is not None else jnp.dtype(e.get("dtype"))
+        except (ValueError, TypeError, KeyError):
+            what = f"{impl!r} is not a PRNG key implementation" if impl else f"dtype {e.get('dtype')!r} is not a dtype"
+            raise malformed(f"leaf {name}: {what} of this JAX") from None
+        if e["kind"] == "walker":
+            k = e.get("set")
+            if type(k) is not int or not 0 <= k < len(sets) or not shape:
+                raise malformed(f"leaf {name} names no walker set, or has no walker axis")
+            if shape[0] != sets[k]["n_walkers"]:
+                walkers = f"{sets[k]['path']} {sets[k]['n_walkers']}"
+                raise broken(f"is inconsistent: leaf {name} holds {shape[0]} walkers, its walker set {walkers}.")
+
+
+_BAD = object()
+
+
+def _python_value(kind: Any, value: Any) -> Any:
+    """The Python value a header holds as ``value`` of type ``kind`` (``_BAD``: none)."""
+    try:
+        if kind == "float":
+            return float.fromhex(value)
+        if kind == "complex" and isinstance(value, list) and len(value) == 2:
+            return complex(float.fromhex(value[0]), float.fromhex(value[1]))
+        return value if kind in ("bool", "int", "str") and type(value).__name__ == kind else _BAD
+    except (TypeError, ValueError, OverflowError):
+        return _BAD
+
+
+def _check_like(where: str, path: Path, header: dict[str, Any], layout: _Layout) -> None:
+    """``like``'s structure, dtypes and shapes against the (checked) header, naming what differs."""
+    # (the walker sets too: a WalkerSet where the saved state had another node is another structure)
+    have = [e["path"] for e in header["leaves"]] + [f"WalkerSet {s['path']}" for s in header["walker_sets"]]
+    want = [name for name, _, _ in layout.slots] + [f"WalkerSet {name}" for name, _ in layout.sets]
+    if have != want:
+        missing, extra = [p for p in have if p not in want], [p for p in want if p not in have]
+        raise _error(
+            where,
+            f"the pytree saved in {str(path)!r} has another structure than `like`.",
+            "pass a `like` with the saved structure (same dict keys, tuple lengths and dataclass fields, in order).",
+            f"saved leaves {have}",
+            f"leaves of `like` {want}"
+            + (f"; only in the file: {missing}" if missing else "")
+            + (f"; only in `like`: {extra}" if extra else ""),
+        )
+    for entry, (name, model, _) in zip(header["leaves"], layout.slots):
+        kind, model_shape, saved_shape = entry["kind"], tuple(np.shape(model)), tuple(entry["shape"])
+        if kind != "python":
+            _check_like_dtype(where, path, entry, model)
+        if kind == "walker" and (not model_shape or model_shape[1:] != saved_shape[1:]):
+            rows = header["walker_sets"][entry["set"]]["n_valid"]
+            saved = f"shape {(rows, *saved_shape[1:])} (walker axis first)"
+            expected = f"(n_walkers, {', '.join(map(str, model_shape[1:]))}) from `like` shape {model_shape}"
+        elif kind != "walker" and model_shape != saved_shape:
+            saved, expected = "a Python scalar" if kind == "python" else f"shape {saved_shape}", f"shape {model_shape}"
+        else:
+            continue
+        raise _error(
+            where,
+            f"leaf {name} has another shape in the checkpoint than in `like`.",
+            "pass a `like` whose leaves have the saved shapes (walker leaves: any walker count).",
+            f"saved: {saved} in {str(path)!r}",
+            expected if model_shape else "a scalar, as in `like`",
+        )
+
+
+def _check_like_dtype(where: str, path: Path, entry: dict[str, Any], model: Any) -> None:
+    """The dtype of ``like``'s leaf against the saved one.
+
+    JAX-held leaves compare as JAX holds ``like`` now. A NumPy leaf keeps its dtype: a
+    NumPy ``like`` compares exactly, an abstract one (``jax.eval_shape`` made it) as JAX
+    would hold the saved dtype.
+    """
+    abstract = isinstance(model, (jax.Array, jax.ShapeDtypeStruct))
+    host = entry["kind"] == "numpy" and not abstract and not is_key_dtype(getattr(model, "dtype", None))
+    saved, dtype = entry["dtype"], np.asarray(model).dtype if host else jax_dtype(model)
+    as_jax = saved if entry["key_impl"] else str(jax.dtypes.canonicalize_dtype(jnp.dtype(saved)))
+    if str(dtype) == saved or (entry["kind"] == "numpy" and abstract and str(dtype) == as_jax):
+        return
+    if entry["kind"] != "numpy" and as_jax == str(dtype) != saved:  # what JAX holds differs only by the x64 setting
+        fix = "it was saved with jax_enable_x64 on: turn it on before loading (jax.config.update('jax_enable_x64', 1))."
+    else:
+        fix = "pass a `like` with the saved dtype (built as the saved pytree was built), then convert after loading."
+    problem = f"leaf {entry['path']} was saved as {saved}, but `like` has {dtype}."
+    raise _error(where, problem, fix, f"saved dtype {saved} in {str(path)!r}", f"{dtype} (from `like`)")
 
 
 def restored_count(where: str, path: Path, saved: int, expected: int | None, n_walkers: Any) -> int:
-    """The number of walkers to restore of ``saved``: ``n_walkers``, checked, else the saved count.
+    """The number of walkers to restore of ``saved``: ``n_walkers``, else the saved count (that of a ``like``)."""
+    if n_walkers is not None and (
+        isinstance(n_walkers, bool) or not isinstance(n_walkers, (int, np.integer)) or n_walkers < 1
+    ):
+        fix = f"pass n_walkers=None for the saved {saved}, or a count such as {saved}."
+        raise _error(where, "n_walkers must be a positive int, the number of walkers to restore.", fix, repr(n_walkers))
+    if n_walkers is None and expected is not None and expected != saved:
+        raise _error(
+            where,
+            f"{str(path)!r} holds {saved} walkers, but the WalkerSet `like` expects {expected}.",
+            f"pass n_walkers={expected} to restore {expected} walkers from the {saved} saved "
+            "(duplicates need burn-in), or a `like` of the saved count.",
+            f"{saved} saved walkers",
+            f"{expected} (like.n_valid)",
+        )
+    return saved if n_walkers is None else int(n_walkers)
 
-    ``expected`` is the count of a ``WalkerSet`` given as ``like`` (``None``: any).
+
+@functools.partial(jax.jit, static_argnames=("target", "saved", "sharding"))
+def _relayout(x: jax.Array, target: int, saved: int, sharding: NamedSharding) -> jax.Array:
+    """The one resize rule: row ``r < target`` is saved walker ``r % saved``, the rest copies of walker 0."""
+    rows = jnp.arange(x.shape[0])
+    if target <= saved:  # the first rows are in place already: only the padding changes
+        out = jnp.where((rows < target).reshape(-1, *([1] * (x.ndim - 1))), x, x[:1])
+    else:
+        out = x[jnp.where(rows < target, rows % saved, 0)]
+    return jax.lax.with_sharding_constraint(out, sharding)
+
+
+def _restore(
+    where: str, path: Path, source: tuple[Any, Callable, Callable], like: Any, mesh: Any, axis_name: str, n_walkers: Any
+) -> tuple[Any, dict[str, Any]]:
+    """The state of ``source``, ``(header, read, broken)``, onto ``mesh``, in the structure of ``like``.
+
+    ``read({leaf: (sharding, shape, dtype)})`` reads the arrays, checked against the header: walker leaves
+    with the rows ``shape`` asks for (zeros past the saved rows), others as stored (``sharding`` ``None``: NumPy).
+    ``broken(problem, got)`` is the error of a damaged checkpoint.
     """
-    if n_walkers is not None:
-        if isinstance(n_walkers, bool) or not isinstance(n_walkers, (int, np.integer)) or n_walkers < 1:
-            raise CallError(
-                message(
-                    where,
-                    "n_walkers must be a positive int, the number of walkers to restore.",
-                    got=repr(n_walkers),
-                    fix=f"pass n_walkers=None for the saved {saved}, or a count such as {saved}.",
+    header, read, broken = source
+    mesh = resolve_mesh(mesh, axis_name, where=where)
+    _check_header(header, broken)
+    layout = _layout(like)
+    _check_like(where, path, header, layout)
+    sets = header["walker_sets"]
+    targets = [
+        restored_count(where, path, s["n_valid"], node.n_valid or None, n_walkers)
+        for s, (_, node) in zip(sets, layout.sets)
+    ]
+    n_shards = _compat.axis_size(mesh, axis_name)
+    # The padding and cycling are plain array operations, which Explicit axes would make ask for output
+    # shardings: they run on an Auto view of the same devices.
+    auto_mesh = Mesh(mesh.devices, mesh.axis_names)
+    auto, walker_sharding = get_walker_sharding(auto_mesh, axis_name), get_walker_sharding(mesh, axis_name)
+    specs: dict[str, Any] = {}
+    for i, entry in enumerate(header["leaves"]):
+        shape, dtype = _stored_struct(entry) if entry["kind"] != "python" else ((), None)
+        if entry["kind"] == "walker":
+            specs[str(i)] = (auto, (pad_n_walkers(targets[entry["set"]], n_shards), *shape[1:]), dtype)
+        elif entry["kind"] != "python":
+            specs[str(i)] = (get_replicated_sharding(mesh) if entry["kind"] == "array" else None, shape, dtype)
+    arrays = read(specs) if specs else {}
+    leaves = []
+    for i, entry in enumerate(header["leaves"]):
+        if entry["kind"] == "python":
+            leaves.append(_python_value(entry["type"], entry["value"]))
+            continue
+        value = arrays[str(i)]
+        if entry["kind"] == "walker":
+            target, saved = targets[entry["set"]], sets[entry["set"]]["n_valid"]
+            if value.shape[0] > target or target > saved:  # padding rows to fill, or walkers to repeat
+                with jax.set_mesh(auto_mesh):  # (also under a jax.set_mesh context of the Explicit mesh)
+                    value = _relayout(value, target, saved, auto)
+            if auto != walker_sharding:
+                value = jax.device_put(value, walker_sharding)
+        elif entry.get("scalar"):
+            value = value[()]  # a NumPy scalar, as saved
+        leaves.append(jax.random.wrap_key_data(value, impl=entry["key_impl"]) if entry["key_impl"] else value)
+    metadata = dict(header["metadata"])
+    changed = {s["path"]: resized(s["n_valid"], t) for s, t in zip(sets, targets) if t != s["n_valid"]}
+    if changed:
+        metadata[RESIZED] = next(iter(changed.values())) if len(sets) == 1 else changed
+    return _rebuild(layout, leaves, targets), metadata
+
+
+def _restore_step(
+    where: str, manager: Any, step: int, like: Any, mesh: Mesh | None, axis_name: str, n_walkers: int | None
+) -> tuple[Any, dict[str, Any]]:
+    """Step ``step`` of ``manager``'s directory, read by orbax."""
+    ocp = _orbax()
+    directory = Path(manager.directory) / str(step)
+
+    def broken(problem: str, got: str | None = None) -> CallError:
+        fix = "restore another step (Checkpointer.steps() lists them); a checkpoint is only committed once complete"
+        return _error(where, f"the checkpoint {str(directory)!r} {problem}", fix + ", so this one was damaged.", got)
+
+    try:
+        header = manager.restore(step, args=ocp.args.Composite(**{_HEADER: ocp.args.JsonRestore()}))[_HEADER]
+    except Exception as err:
+        raise broken("has no readable header.", f"{type(err).__name__}: {err}") from None
+
+    def read(specs: dict[str, Any]) -> dict[str, Any]:
+        # orbax-checkpoint 0.12.8 raises on the first read that fails and leaves the others running on a closed event
+        # loop (unraisable errors later, in other code): the stored arrays' metadata is checked before any read.
+        from etils import epath  # orbax-checkpoint's own path type (installed with it)
+
+        handler = ocp.PyTreeCheckpointHandler()
+        try:
+            stored = dict(handler.metadata(epath.Path(directory / _ARRAYS)).tree)
+        except Exception as err:
+            raise broken("has arrays that cannot be read.", f"{type(err).__name__}: {err}") from None
+        finally:
+            handler.close()
+        for key, (_, _, dtype) in specs.items():
+            entry, meta = header["leaves"][int(key)], stored.get(key)
+            shape = _stored_struct(entry)[0]
+            if meta is None or tuple(meta.shape) != shape or np.dtype(meta.dtype) != np.dtype(dtype):
+                got = meta and f"stored {np.dtype(meta.dtype)}{list(meta.shape)}, header {np.dtype(dtype)}{list(shape)}"
+                raise broken(
+                    f"is inconsistent: leaf {entry['path']} is stored as another array than its header says.", got
                 )
-            )
-        return int(n_walkers)
-    if expected is not None and expected != saved:
-        raise CallError(
-            message(
-                where,
-                f"{str(path)!r} holds {saved} walkers, but the WalkerSet `like` expects {expected}.",
-                got=f"{saved} saved walkers",
-                expected=f"{expected} (like.n_valid)",
-                fix=f"pass n_walkers={expected} to restore {expected} walkers from the {saved} saved "
-                "(duplicates need burn-in), or a `like` of the saved count.",
-            )
-        )
-    return saved
+        restore_args = {
+            key: ocp.RestoreArgs(restore_type=np.ndarray)
+            if sharding is None
+            else ocp.ArrayRestoreArgs(sharding=sharding, global_shape=shape, dtype=dtype, strict=False)
+            for key, (sharding, shape, dtype) in specs.items()
+        }
+        try:
+            args = ocp.args.Composite(**{_ARRAYS: ocp.args.PyTreeRestore(restore_args=restore_args)})
+            return manager.restore(step, args=args)[_ARRAYS]
+        except Exception as err:
+            raise broken("has arrays that cannot be read.", f"{type(err).__name__}: {err}") from None
+
+    return _restore(where, directory, (header, read, broken), like, mesh, axis_name, n_walkers)
 
 
-def resized(saved: int, restored: int) -> dict[str, Any]:
-    """What ``metadata[sv.RESIZED]`` says after restoring ``restored`` walkers of ``saved``."""
-    return {
-        "saved": saved,
-        "restored": restored,
-        "duplicated": max(0, restored - saved),
-        "dropped": max(0, saved - restored),
-        "needs_burn_in": restored > saved,
-    }
-
-
-def dtype_error(where: str, path: Path, name: str, saved: str, dtype: Any) -> CallError:
-    """Leaf ``name`` of the checkpoint at ``path`` was saved as ``saved``, ``like`` has ``dtype``."""
-    return CallError(
-        message(
-            where,
-            f"leaf {name} was saved as {saved}, but `like` has {dtype}.",
-            got=f"saved dtype {saved} in {str(path)!r}",
-            expected=f"{dtype} (from `like`)",
-            fix="give `like` the saved dtype (and the jax_enable_x64 setting it was saved with), "
-            "then convert after loading.",
-        )
-    )
-
-
-def structure_error(where: str, path: Path, have: list[str], want: list[str], what: str) -> CallError:
-    """The pytree saved in ``path`` (leaf paths ``have``) is not the one of ``like`` (``want``)."""
-    missing = [p for p in have if p not in want]
-    extra = [p for p in want if p not in have]
-    return CallError(
-        message(
-            where,
-            f"the pytree saved in {str(path)!r} has another structure than `like`.",
-            got=f"saved leaves {have}",
-            expected=f"leaves of `like` {want}"
-            + (f"; only in the file: {missing}" if missing else "")
-            + (f"; only in `like`: {extra}" if extra else ""),
-            fix=f"pass a `like` with the structure of the saved {what} (same dict keys, tuple lengths and "
-            "dataclass fields, in the same order).",
-        )
-    )
-
-
-def _stored(leaf: np.ndarray, dtype: Any, key: bool) -> np.ndarray:
-    """Host data as stored: the leaf's JAX dtype, C order, exotic dtypes as unsigned ints."""
-    if not key:
-        leaf = leaf.astype(dtype, copy=False)
-    leaf = np.asarray(leaf, order="C")  # (not ascontiguousarray: it makes scalars 1-d)
-    # Dtypes NumPy cannot describe in a .npy header (bfloat16, ...) travel as unsigned ints.
-    return leaf if leaf.dtype.isbuiltin == 1 else leaf.view(f"u{leaf.dtype.itemsize}")
-
-
-def _blocks(leaf: Any, count: int, n_processes: int) -> list[tuple[int, int, int]]:
-    """Which process writes which rows: ``(start, stop, process)`` over rows ``< count``.
-
-    The same on every process (it reads only the sharding, not the data). Rows held by
-    several processes (replicas, or host data every process has) are split evenly
-    among their holders, so every process writes about ``count / n_processes`` rows.
-    """
-    n = int(np.shape(leaf)[0])
-    holders: dict[tuple[int, int], set[int]] = {}
-    if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
-        for device, index in leaf.sharding.devices_indices_map(leaf.shape).items():
-            start, stop, _ = (index[0] if index else slice(None)).indices(n)
-            holders.setdefault((start, stop), set()).add(device.process_index)
-    else:  # host data, or an array on this process's devices: every process holds all of it
-        holders[(0, n)] = set(range(n_processes))
-    blocks = []
-    for (start, stop), processes in sorted(holders.items()):
-        stop = min(stop, count)
-        who = sorted(processes)
-        for k, process in enumerate(who):
-            a = start + (stop - start) * k // len(who)
-            b = start + (stop - start) * (k + 1) // len(who)
-            if b > a:
-                blocks.append((a, b, process))
-    return blocks
-
-
-def _rows(leaf: Any, start: int, stop: int) -> np.ndarray:
-    """Rows ``start:stop`` of ``leaf`` from this process's own copy (no transfer between processes)."""
-    if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
-        for shard in leaf.addressable_shards:
-            a, b, _ = (shard.index[0] if shard.index else slice(None)).indices(leaf.shape[0])
-            if a <= start and stop <= b:
-                return np.asarray(shard.data[start - a : stop - a])
-        raise AssertionError(f"rows {start}:{stop} are not on this process")  # pragma: no cover
-    return np.asarray(leaf[start:stop])
+def _load(
+    where: str, path: Path, like: Any, mesh: Mesh | None, axis_name: str, n_walkers: int | None
+) -> tuple[Any, dict[str, Any]]:
+    """The latest step of a directory of steps, or the step directory ``path``."""
+    if not path.exists():
+        raise FileNotFoundError(f"{where}: {str(path)!r} does not exist.")
+    directory, step = path.absolute(), None
+    if (directory / _HEADER).is_dir() and directory.name.isdigit():
+        directory, step = directory.parent, int(directory.name)
+    _settle(directory)  # a write of this process to this directory finishes first
+    manager = _manager(directory, keep=None, write=False)
+    try:
+        if step is None and not manager.all_steps():
+            fix = "pass a directory written by sv.save_state, sv.save_walkers or sv.Checkpointer (or one of its steps)."
+            raise _error(where, f"{str(path)!r} holds no shardvmc state checkpoint.", fix)
+        step = max(manager.all_steps()) if step is None else step
+        return _restore_step(where, manager, step, like, mesh, axis_name, n_walkers)
+    finally:
+        manager.close()
 
 
 def save_walkers(
@@ -237,437 +579,47 @@ def save_walkers(
     n_valid: int | None = None,
     metadata: Mapping[str, Any] | None = None,
 ) -> Path:
-    """Write the valid walkers of ``tree`` to ``path``, atomically.
+    """Save walkers at ``path`` (a directory) as :func:`save_state` saves the state that is one ``WalkerSet``.
 
-    The first ``n_valid`` walkers of every non-scalar leaf are saved (padding is
-    dropped); scalar leaves are saved as they are. Leaves are stored in the dtype JAX
-    gives them (a float64 NumPy leaf is stored as float32 unless ``jax_enable_x64`` is
-    on), which is what :func:`load_walkers` compares ``like`` with.
-
-    Files are written under a temporary name, flushed to disk, and renamed into place,
-    so a writer killed at any moment leaves the previous checkpoint intact (at worst a
-    stray ``.<name>.*.tmp`` file or ``<name>.d-*`` directory stays behind, until the
-    next successful save removes every data directory of ``path`` but its own).
-
-    In a multi-process run, call it on every process (a collective): each process
-    writes the walkers it holds to its own file in a new directory
-    ``<path>.d-<token>/``, and once all are on disk process 0 replaces the manifest at
-    ``path``, which names that directory; nothing is gathered. Every process returns
-    once the checkpoint is committed, and an error of any process is raised on all.
+    Non-scalar leaves are walker leaves, scalar leaves are replicated; every leaf in the
+    dtype JAX holds it in (a float64 NumPy leaf: float32 unless ``jax_enable_x64`` is on).
+    Returns once committed; the previous checkpoint at ``path`` is replaced only then.
 
     Args:
-        path: the file to write, used as given (no suffix is added); its directory
-            must exist (and, with several processes, be shared by all of them).
-        tree: a :class:`~shardvmc.WalkerSet` (its count is saved) or a pytree of
-            walkers (sharded ``jax.Array`` or host arrays); typed PRNG key leaves are
-            supported.
+        path: the checkpoint's directory (created if missing).
+        tree: a :class:`~shardvmc.WalkerSet` (its count is saved) or a pytree of walkers.
         n_valid: the number of real walkers (the first ones); ``None``: the
             ``WalkerSet``'s count, else all.
         metadata: JSON-serialisable data stored with the walkers (step, energy, ...).
 
     Returns:
-        The path written.
+        ``path``.
 
     Raises:
         CallError: for leaves of different walker counts, ``n_valid`` out of range or
             other than the ``WalkerSet``'s, or metadata JSON cannot encode.
+        ImportError: when orbax-checkpoint is not installed (``pip install 'shardvmc[checkpoint]'``).
 
     Example:
         >>> import os, tempfile, jax, jax.numpy as jnp, shardvmc as sv
-        >>> mesh = sv.create_mesh(jax.devices()[:4])
-        >>> walkers = sv.WalkerSet({"r": sv.shard_walker(jnp.arange(24.0).reshape(8, 3), mesh)}, n_valid=6)
-        >>> path = os.path.join(tempfile.mkdtemp(), "walkers.npz")
-        >>> sv.save_walkers(path, walkers, metadata={"step": 100}).name
-        'walkers.npz'
+        >>> walkers = sv.WalkerSet({"r": sv.shard_walker(jnp.arange(24.0).reshape(8, 3))}, n_valid=6)
+        >>> sv.save_walkers(os.path.join(tempfile.mkdtemp(), "walkers"), walkers, metadata={"step": 100}).name
+        'walkers'
     """
     where = "save_walkers"
     data, set_count = split_walker_set(tree)
     n = walker_count(data, where, "tree")
-    if set_count is not None and n_valid is not None and not isinstance(n_valid, Tracer):
-        if int(n_valid) != set_count:
-            raise CallError(
-                message(
-                    where,
-                    f"n_valid={int(n_valid)} disagrees with the WalkerSet's own count.",
-                    got=f"n_valid={int(n_valid)}, tree.n_valid={set_count}",
-                    fix="omit n_valid (a WalkerSet carries its count), or save tree.replace(n_valid=...).",
-                )
-            )
+    if set_count is not None and n_valid is not None and not isinstance(n_valid, Tracer) and n_valid != set_count:
+        raise _error(
+            where,
+            f"n_valid={int(n_valid)} disagrees with the WalkerSet's own count.",
+            "omit n_valid (a WalkerSet carries its count), or save tree.replace(n_valid=...).",
+            f"n_valid={int(n_valid)}, tree.n_valid={set_count}",
+        )
     n_valid = set_count if n_valid is None else n_valid
     check_n_valid(where, n_valid, n)
-    count = n if n_valid is None else int(n_valid)
-    meta = checked_metadata(where, metadata)
-
-    entries, leaves = [], []
-    for path_, leaf in jax.tree_util.tree_flatten_with_path(data)[0]:
-        dtype = jax_dtype(leaf)
-        key_impl = str(jax.random.key_impl(leaf)) if is_key_dtype(dtype) else None
-        shape = list(np.shape(leaf))
-        if shape:
-            shape[0] = count
-        entries.append({"path": path_name(path_), "dtype": str(dtype), "shape": shape, "key_impl": key_impl})
-        leaves.append((jax.random.key_data(leaf) if key_impl else leaf, dtype, bool(key_impl)))
-    header = {
-        "format": _FORMAT,
-        "version": _VERSION,
-        "n_valid": count,
-        "leaves": entries,
-        "metadata": meta,
-        "saved_on": {"devices": jax.device_count(), "processes": jax.process_count()},
-    }
-    target = Path(path)
-    if jax.process_count() == 1:
-        arrays = {}
-        for i, (entry, (leaf, dtype, key)) in enumerate(zip(entries, leaves)):
-            host = np.asarray(jax.device_get(leaf))
-            arrays[f"leaf_{i}"] = _stored(host[:count] if entry["shape"] else host, dtype, key)
-        arrays[_HEADER] = _encode(header)
-        _write_atomic(target, arrays)
-        _remove_stale(target)
-    else:
-        _save_parts(target, header, leaves, count)
-    return target
-
-
-def _encode(header: dict[str, Any]) -> np.ndarray:
-    return np.frombuffer(json.dumps(header).encode(), dtype=np.uint8)
-
-
-def _save_parts(target: Path, header: dict[str, Any], leaves: list[tuple[Any, Any, bool]], count: int) -> None:
-    """The multi-process save: a part file per process, then the manifest (see the module doc)."""
-    from jax.experimental import multihost_utils
-
-    me, n_processes = jax.process_index(), jax.process_count()
-    token = np.asarray(multihost_utils.broadcast_one_to_all(np.frombuffer(secrets.token_bytes(8), np.int32)))
-    directory = target.with_name(f"{target.name}.d-{token.astype('<i4').tobytes().hex()}")  # matches _DATA_SUFFIX
-    part, scalars = {}, {}
-    for i, (entry, (leaf, dtype, key)) in enumerate(zip(header["leaves"], leaves)):
-        if not entry["shape"]:
-            if me == 0:
-                scalars[f"leaf_{i}"] = _stored(_local_scalar(leaf), dtype, key)
-            continue
-        blocks = _blocks(leaf, count, n_processes)
-        entry["blocks"] = [list(b) for b in blocks]
-        mine = [_stored(_rows(leaf, a, b), dtype, key) for a, b, p in blocks if p == me]
-        empty = np.zeros((0, *np.shape(leaf)[1:]), leaf.dtype if key else dtype)
-        part[f"leaf_{i}"] = np.concatenate(mine) if mine else _stored(empty, dtype, key)
-    error: BaseException | None = None
-    try:
-        directory.mkdir(exist_ok=True)
-        _write_atomic(directory / _part_name(me), part)
-    except Exception as err:  # reported on every process below
-        error = err
-    failed = np.asarray(multihost_utils.process_allgather(np.int32(error is not None)))  # also the barrier
-    if failed.any():
-        if me == 0:
-            _remove(directory)
-        if error is not None:
-            raise error
-        raise CallError(
-            message(
-                "save_walkers",
-                f"processes {np.flatnonzero(failed).tolist()} failed to write their part of {str(target)!r}.",
-                fix="see the error of those processes; the previous checkpoint is unchanged.",
-            )
-        )
-    if me == 0:
-        try:
-            manifest = {**header, "version": _MANIFEST_VERSION, "data": directory.name, "processes": n_processes}
-            _write_atomic(target, {**scalars, _HEADER: _encode(manifest)})
-        except Exception as err:
-            error = err
-    if int(multihost_utils.broadcast_one_to_all(np.int32(error is not None))):
-        if me == 0:
-            _remove(directory)
-        if error is not None:
-            raise error
-        raise CallError(
-            message("save_walkers", f"process 0 failed to write {str(target)!r}.", fix="see the error of process 0.")
-        )
-    if me == 0:
-        _remove_stale(target, keep=directory)
-
-
-def _local_scalar(leaf: Any) -> np.ndarray:
-    if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
-        leaf = leaf.addressable_data(0)
-    return np.asarray(leaf)
-
-
-def _part_name(process: int) -> str:
-    return f"part-{process:05d}.npz"
-
-
-def _remove_stale(target: Path, keep: Path | None = None) -> None:
-    """Remove the data directories of ``target`` other than ``keep``: the one a new commit
-    replaced, and any left by a save that was killed before its commit."""
-    pattern = re.compile(re.escape(target.name) + _DATA_SUFFIX)
-    for entry in target.absolute().parent.iterdir():
-        if pattern.fullmatch(entry.name) and entry.name != getattr(keep, "name", None) and entry.is_dir():
-            _remove(entry)
-
-
-def _remove(directory: Path | None) -> None:
-    if directory is not None:
-        shutil.rmtree(directory, ignore_errors=True)
-
-
-def _write_atomic(target: Path, arrays: dict[str, np.ndarray]) -> None:
-    """Write ``arrays`` as an ``.npz`` at ``target``: temporary file, fsync, rename, fsync dir."""
-    directory = target.absolute().parent
-    tmp = directory / f".{target.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # 0o666: the umask applies
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.savez(f, allow_pickle=False, **arrays)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    try:
-        dir_fd = os.open(directory, os.O_RDONLY)
-    except OSError:  # pragma: no cover - platforms without directory handles
-        return
-    try:
-        os.fsync(dir_fd)
-    except OSError:  # pragma: no cover
-        pass
-    finally:
-        os.close(dir_fd)
-
-
-def _corrupt(path: Path, problem: str, got: str | None = None) -> CallError:
-    return CallError(
-        message(
-            "load_walkers",
-            f"{str(path)!r} {problem}",
-            got=got,
-            fix="restore an earlier checkpoint; a file written by sv.save_walkers is only replaced once complete.",
-        )
-    )
-
-
-def _unreadable(path: Path, err: BaseException) -> CallError:
-    # zipfile and np.load report damage in many ways (BadZipFile, NotImplementedError for a
-    # flipped version or compression field, RuntimeError for an "encrypted" flag, ValueError,
-    # EOFError, struct.error, ...): for a file that parsed as far as this, every one means damage.
-    return _corrupt(path, "is truncated or corrupted.", got=f"{type(err).__name__}: {err}")
-
-
-def _open_npz(path: Path) -> Any:
-    """``np.load`` of an ``.npz`` (entries are read when asked for), errors as ``CallError``."""
-    file = open(path, "rb")  # noqa: SIM115 - handed to the archive, which closes it
-    try:
-        data = np.load(file, allow_pickle=False)
-    except Exception as err:
-        file.close()
-        raise _unreadable(path, err) from None
-    if not isinstance(data, np.lib.npyio.NpzFile):
-        file.close()
-        raise _corrupt(path, "is a single .npy array, not a shardvmc checkpoint.")
-    # data.close() closes the file too. numpy's stub types fid as IO[str] (it is the binary file np.load read).
-    data.fid = file  # pyright: ignore[reportAttributeAccessIssue]
-    return data
-
-
-def _read_header(path: Path) -> tuple[dict[str, Any], Any]:
-    """The checked header of the checkpoint (or manifest) at ``path``, and the open archive."""
-    data = _open_npz(path)
-    try:
-        if _HEADER not in data.files:
-            raise _corrupt(path, "is an .npz file without a shardvmc header, not a shardvmc checkpoint.")
-        header = json.loads(bytes(data[_HEADER]).decode())
-        _check_header(path, header)
-    except CallError:
-        data.close()
-        raise
-    except Exception as err:
-        data.close()
-        raise _unreadable(path, err) from None
-    return header, data
-
-
-def check_key_impl(name: Any) -> str | None:
-    """Why ``name`` is not the name of a JAX PRNG implementation (``None`` when it is one)."""
-    if not isinstance(name, str):
-        return f"a key implementation must be a name, not {name!r}"
-    try:
-        jax.eval_shape(lambda: jax.random.key(0, impl=name))
-    except (ValueError, TypeError, KeyError):
-        return f"{name!r} is not a PRNG key implementation of this JAX"
-    return None
-
-
-def check_dtype(name: Any) -> str | None:
-    """Why ``name`` is not a dtype name JAX knows (``None`` when it is one)."""
-    try:
-        if isinstance(name, str) and name.startswith("key<"):
-            return None  # typed keys: their dtype name follows the implementation, checked on its own
-        jnp.dtype(name)
-    except (TypeError, ValueError):
-        return f"dtype {name!r} is not a dtype"
-    return None
-
-
-def check_shape(shape: Any) -> bool:
-    """Whether ``shape`` is a list of non-negative ints (a shape as JSON holds it)."""
-    return isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)
-
-
-def _check_header(path: Path, header: Any) -> None:
-    """Every field of a (possibly hand-edited) header, so that no later step meets a surprise."""
-
-    def malformed(what: str) -> CallError:
-        return _corrupt(path, f"has a malformed header: {what}.")
-
-    if not isinstance(header, dict) or header.get("format") != _FORMAT:
-        raise _corrupt(path, "has a header that is not a shardvmc walker checkpoint's.")
-    version = header.get("version")
-    if version not in (_VERSION, _MANIFEST_VERSION) or type(version) is not int:
-        raise _corrupt(
-            path,
-            f"is format version {version!r}, which this shardvmc cannot read.",
-            got=f"version {version!r}, expected {_VERSION} or {_MANIFEST_VERSION}",
-        )
-    if "n_valid" not in header or not isinstance(header.get("metadata"), dict):
-        raise malformed("it lacks n_valid or its metadata is not a dict")
-    n_valid = header["n_valid"]
-    if type(n_valid) is not int or n_valid < 1:
-        raise malformed(f"n_valid must be a positive int, the number of saved walkers, not {n_valid!r}")
-    entries = header.get("leaves")
-    if not isinstance(entries, list) or not all(
-        isinstance(e, dict) and {"path", "dtype", "shape", "key_impl"} <= set(e) and isinstance(e["path"], str)
-        for e in entries
-    ):
-        raise malformed("its leaves are not a list of {path, dtype, shape, key_impl} entries")
-    for e in entries:
-        name = e["path"]
-        if not check_shape(e["shape"]):
-            raise malformed(f"leaf {name} has the shape {e['shape']!r}, which is not a list of sizes")
-        if e["key_impl"] is not None and (why := check_key_impl(e["key_impl"])):
-            raise malformed(f"leaf {name}: {why}")
-        if e["key_impl"] is None and (why := check_dtype(e["dtype"])):
-            raise malformed(f"leaf {name}: {why}")
-        if e["shape"] and e["shape"][0] != n_valid:
-            raise _corrupt(
-                path, f"is inconsistent: n_valid is {n_valid}, but leaf {name} holds {e['shape'][0]} walkers."
-            )
-    if version == _MANIFEST_VERSION:
-        data_dir = header.get("data")
-        # a sibling of the manifest, nothing else
-        if not isinstance(data_dir, str) or re.fullmatch(r"[^/\\]+" + _DATA_SUFFIX, data_dir) is None:
-            raise malformed(f"its data directory {data_dir!r} is not a sibling data directory of the manifest")
-        for e in entries:
-            blocks = e.get("blocks") if e["shape"] else []
-            if not isinstance(blocks, list) or not all(
-                isinstance(b, list) and len(b) == 3 and all(type(v) is int and v >= 0 for v in b) for b in blocks
-            ):
-                raise malformed(f"leaf {e['path']} has no valid list of [start, stop, process] blocks")
-
-
-def _key_data_struct(impl: str) -> jax.ShapeDtypeStruct:
-    """Shape and dtype of one key's data for the implementation ``impl``."""
-    return jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0, impl=impl)))
-
-
-class _Reader:
-    """The leaves of one checkpoint, read part by part as the devices of this process need them."""
-
-    def __init__(self, path: Path, header: dict[str, Any], archive: Any) -> None:
-        self.path, self.header = path, header
-        self.archives: dict[str | None, Any] = {None: archive}  # None: the file at `path`
-        self.cache: dict[tuple[str | None, int], np.ndarray] = {}
-        self.directory = path.with_name(header["data"]) if header["version"] == _MANIFEST_VERSION else None
-
-    def close(self) -> None:
-        for archive in self.archives.values():
-            archive.close()
-
-    def _entry(self, part: str | None, i: int) -> np.ndarray:
-        if part is None:
-            file = self.path
-        else:
-            assert self.directory is not None  # only a manifest names part files, and it has their directory
-            file = self.directory / part
-        try:
-            if part not in self.archives:
-                self.archives[part] = _open_npz(file)
-            return self.archives[part][f"leaf_{i}"]
-        except FileNotFoundError:
-            raise _corrupt(self.path, f"names the part file {str(file)!r}, which is missing.") from None
-        except CallError:
-            raise
-        except Exception as err:
-            raise _unreadable(file, err) from None
-
-    def _checked(self, part: str | None, i: int, rows: int | None, dtype: Any) -> np.ndarray:
-        """Entry ``leaf_<i>`` of ``part``, its shape (``rows`` walkers) and dtype checked."""
-        if (part, i) in self.cache:
-            return self.cache[part, i]
-        entry = self.header["leaves"][i]
-        data = self._entry(part, i)
-        saved = tuple(entry["shape"])
-        expected = saved if rows is None else (rows, *saved[1:])
-        if entry["key_impl"]:  # key data: the implementation's shape and dtype follow the key's
-            key_data = _key_data_struct(entry["key_impl"])
-            expected, dtype = (*expected, *key_data.shape), key_data.dtype
-        if data.shape != expected:
-            raise _corrupt(
-                self.path, f"is inconsistent: leaf {entry['path']} does not have the shape its header gives."
-            )
-        if data.dtype != dtype:
-            if np.dtype(dtype).isbuiltin == 1 or data.dtype != np.dtype(f"u{np.dtype(dtype).itemsize}"):
-                raise _corrupt(
-                    self.path, f"is inconsistent: leaf {entry['path']} holds {data.dtype} data, not {dtype}."
-                )
-            data = data.view(dtype)
-        self.cache[part, i] = data
-        return data
-
-    def scalar(self, i: int, dtype: Any) -> np.ndarray:
-        return self._checked(None, i, None, dtype)
-
-    def place(self, i: int, dtype: Any, source: np.ndarray, sharding: Any) -> jax.Array:
-        """Leaf ``i`` with row ``r`` taken from saved walker ``source[r]``, placed on ``sharding``."""
-        entry = self.header["leaves"][i]
-        count = self.header["n_valid"]
-        if self.directory is None:
-            blocks = [(0, count, None)]
-        else:
-            blocks = [(int(a), int(b), _part_name(int(p))) for a, b, p in entry["blocks"]]
-        if [a for a, _, _ in blocks] != [0] + [b for _, b, _ in blocks[:-1]] or blocks[-1][1] != count:
-            raise _corrupt(self.path, f"is inconsistent: the parts of leaf {entry['path']} do not cover its walkers.")
-        starts = np.array([a for a, _, _ in blocks])
-        offsets, totals = [], {}  # where each block starts in its part file; rows per part file
-        for a, b, part in blocks:
-            offsets.append(totals.get(part, 0))
-            totals[part] = totals.get(part, 0) + b - a
-        if entry["key_impl"]:  # stored as key data: the key's own shape and dtype follow the walker's
-            data = _key_data_struct(entry["key_impl"])
-            trailing, stored = (*entry["shape"][1:], *data.shape), data.dtype
-        else:
-            trailing, stored = tuple(entry["shape"][1:]), dtype
-        shape = (len(source), *trailing)
-
-        def rows(index: tuple[slice, ...] | None) -> np.ndarray:
-            if index is None:  # JAX's type allows no index: the whole array
-                index = (slice(None),)
-            wanted = source[index[0]]
-            which = np.searchsorted(starts, wanted, side="right") - 1
-            out = np.empty((len(wanted), *trailing), stored)
-            for k in np.unique(which):
-                a, _, part = blocks[k]
-                data = self._checked(part, i, totals[part], dtype)
-                at = which == k
-                out[at] = data[offsets[k] + wanted[at] - a]
-            return out[(slice(None), *index[1:])]
-
-        try:
-            return jax.make_array_from_callback(shape, sharding, rows)
-        finally:
-            self.cache.clear()
+    walkers = WalkerSet.tree_unflatten(n if n_valid is None else int(n_valid), (data,))
+    return _save_once(where, path, walkers, metadata, asynchronous=False)
 
 
 def load_walkers(
@@ -678,113 +630,238 @@ def load_walkers(
     axis_name: str = "walkers",
     n_walkers: int | None = None,
 ) -> Checkpoint:
-    """Read walkers saved by :func:`save_walkers` and shard them over ``mesh``.
+    """Read walkers saved by :func:`save_walkers` (or a 0.2.0 ``.npz`` walker file) onto ``mesh``.
 
-    The walkers are padded for ``mesh`` (which may have any number of devices and
-    processes, not only the ones they were saved from) with copies of walker 0, and
-    placed from host data: each process reads only the files holding the walkers of
-    its own devices (all files must be visible to every process).
-
-    By default exactly the saved walkers come back. ``n_walkers`` restores another
-    count (an elastic restart on more or fewer GPUs): fewer keeps the first
-    ``n_walkers``; more repeats the saved walkers in order (walker ``i`` is saved
-    walker ``i % saved``), and the copies start correlated with their originals, so run
-    burn-in steps before taking statistics. Then ``metadata[sv.RESIZED]`` says so:
-    ``{"saved": ..., "restored": ..., "duplicated": ..., "dropped": ..., "needs_burn_in": ...}``.
+    As :func:`load_state` restores a walker set (of a 0.2.0 file, each process reads the
+    whole file). ``n_walkers`` restores another count: fewer keeps the first ones; more
+    repeats the saved walkers in order (walker ``i`` is saved walker ``i % saved``;
+    copies need burn-in), and ``metadata[sv.RESIZED]`` says so.
 
     Args:
-        path: a file written by :func:`save_walkers`.
-        like: a pytree of the expected structure, whose leaves give the dtypes and the
-            trailing (non-walker) shapes: arrays or ``jax.ShapeDtypeStruct``; their
-            walker counts do not matter. A :class:`~shardvmc.WalkerSet` also states
-            the count expected: its ``n_valid`` must then be the saved count (or pass
-            ``n_walkers``).
-        mesh: the mesh to restore onto; defaults to the ``use_mesh`` one, else all
-            devices.
+        path: a directory written by :func:`save_walkers`, or a 0.2.0 ``.npz`` file.
+        like: the structure, dtypes and per-walker shapes (arrays or
+            ``jax.ShapeDtypeStruct``; any walker count); a :class:`~shardvmc.WalkerSet`
+            also states the count expected (the saved one, unless ``n_walkers`` is given).
+        mesh: the mesh to restore onto; defaults to the ``use_mesh`` one, else all devices.
         axis_name: the walker axis of ``mesh``.
         n_walkers: the number of walkers to restore; ``None``: the saved count.
 
     Returns:
-        A :class:`Checkpoint` ``(walkers, n_valid, metadata)``; ``walkers`` is a
-        :class:`~shardvmc.WalkerSet`.
+        A :class:`Checkpoint` ``(walkers, n_valid, metadata)``.
 
     Raises:
         FileNotFoundError: when ``path`` does not exist.
-        CallError: for a file that is truncated, corrupted or not a checkpoint (or a
-            part file that is missing or damaged), whose pytree paths, dtypes or
-            trailing shapes differ from ``like`` (the message names the leaf and both
-            values), a ``WalkerSet`` ``like`` of another count, or a bad ``n_walkers``.
+        CallError: as :func:`load_state`.
+        ImportError: when orbax-checkpoint is not installed (0.2.0 files need no orbax).
 
     Example:
         >>> import os, tempfile, jax, jax.numpy as jnp, shardvmc as sv
-        >>> path = os.path.join(tempfile.mkdtemp(), "walkers.npz")
+        >>> path = os.path.join(tempfile.mkdtemp(), "walkers")
         >>> _ = sv.save_walkers(path, {"r": jnp.ones((8, 3))}, n_valid=7, metadata={"step": 5})
         >>> mesh3 = sv.create_mesh(jax.devices()[:3])
         >>> walkers, n_valid, meta = sv.load_walkers(path, {"r": jnp.zeros((1, 3))}, mesh3)
         >>> walkers.data["r"].shape, walkers.data["r"].sharding.spec, n_valid, walkers.n_valid, meta
         ((9, 3), P('walkers',), 7, 7, {'step': 5})
         >>> more = sv.load_walkers(path, {"r": jnp.zeros((1, 3))}, n_walkers=10)
-        >>> resized = more.metadata[sv.RESIZED]
-        >>> more.n_valid, resized["duplicated"], resized["needs_burn_in"]
-        (10, 3, True)
+        >>> more.n_valid, more.metadata[sv.RESIZED]
+        (10, {'saved': 7, 'restored': 10, 'duplicated': 3, 'dropped': 0, 'needs_burn_in': True})
     """
-    where = "load_walkers"
-    mesh = resolve_mesh(mesh, axis_name, where=where)
-    like_data, expected_count = split_walker_set(like)
-    path = Path(path)
-    header, archive = _read_header(path)
-    reader = _Reader(path, header, archive)
-    try:
-        tree = _load(reader, like_data, expected_count, mesh, axis_name, n_walkers)
-    finally:
-        reader.close()
-    saved = header["n_valid"]
-    target = saved if n_walkers is None else int(n_walkers)
-    metadata = dict(header["metadata"])
-    if target != saved:
-        metadata[RESIZED] = resized(saved, target)
-    return Checkpoint(WalkerSet(tree, target), target, metadata)
+    where, path = "load_walkers", Path(path)
+    like_data, expected = split_walker_set(like)
+    root = WalkerSet.tree_unflatten(expected or 0, (like_data,))  # the walker-only state (0: any count)
+    if path.is_file():
+        walkers, metadata = _restore(where, path, _npz.open_file(path), root, mesh, axis_name, n_walkers)
+    else:
+        walkers, metadata = _load(where, path, root, mesh, axis_name, n_walkers)
+    return Checkpoint(walkers, walkers.n_valid, metadata)
 
 
-def _load(
-    reader: _Reader, like: Any, expected_count: int | None, mesh: Mesh, axis_name: str, n_walkers: int | None
-) -> Any:
-    where = "load_walkers"
-    path, header = reader.path, reader.header
-    entries = header["leaves"]
-    flat, treedef = jax.tree_util.tree_flatten_with_path(like)
-    want = [path_name(p) for p, _ in flat]
-    have = [e["path"] for e in entries]
-    if want != have:
-        raise structure_error(where, path, have, want, "walkers")
-    saved = header["n_valid"]
-    target = restored_count(where, path, saved, expected_count, n_walkers)
-    n_pad = pad_n_walkers(target, _compat.axis_size(mesh, axis_name))
-    rows = np.arange(n_pad)
-    source = np.where(rows < target, rows % saved, 0)  # padding: copies of walker 0
-    sharding = get_walker_sharding(mesh, axis_name)
-    leaves = []
-    for i, ((_, model), entry) in enumerate(zip(flat, entries)):
-        name = entry["path"]
-        dtype = jax_dtype(model)
-        if str(dtype) != entry["dtype"]:
-            raise dtype_error(where, path, name, entry["dtype"], dtype)
-        model_shape, saved_shape = tuple(np.shape(model)), tuple(entry["shape"])
-        if (len(model_shape) == 0) != (len(saved_shape) == 0) or model_shape[1:] != saved_shape[1:]:
-            raise CallError(
-                message(
-                    where,
-                    f"leaf {name} has other per-walker (trailing) dimensions in the file than in `like`.",
-                    got=f"saved shape {saved_shape} (walker axis first) in {str(path)!r}",
-                    expected=f"(n_walkers, {', '.join(map(str, model_shape[1:]))}) from `like` shape {model_shape}"
-                    if model_shape
-                    else "a scalar, as in `like`",
-                    fix="pass a `like` whose leaves have the saved per-walker shapes.",
-                )
-            )
-        if saved_shape:
-            placed = reader.place(i, dtype, source, sharding)
-        else:
-            placed = replicate(reader.scalar(i, dtype), mesh)
-        leaves.append(jax.random.wrap_key_data(placed, impl=entry["key_impl"]) if entry["key_impl"] else placed)
-    return jax.tree_util.tree_unflatten(treedef, leaves)
+def save_state(path: str | os.PathLike[str], state: Any, *, metadata: dict[str, Any] | None = None) -> Path:
+    """Save a whole training state at ``path``, asynchronously; returns once the state is on the host.
+
+    ``state`` is any pytree of :class:`~shardvmc.WalkerSet`\\ s (each process writes the
+    rows its devices hold, padding included), replicated ``jax.Array``\\ s (parameters,
+    optax and kfac-jax states), NumPy values, Python ``bool``/``int``/``float``/
+    ``complex``/``str`` and typed PRNG keys. ``path`` is a directory holding the latest
+    state, replaced only once a new one is committed. The write ends with its commit:
+    the next save to ``path``, :func:`wait_for_saves`, :func:`load_state` and a normal
+    exit wait for it. With several processes, call it on every process, on a directory
+    all of them see; :class:`Checkpointer` adds steps and retention.
+
+    Args:
+        path: the directory (created if missing).
+        state: the pytree to save.
+        metadata: JSON-serialisable data stored with it.
+
+    Returns:
+        ``path``.
+
+    Raises:
+        CallError: for a leaf that cannot be stored (a sharded array outside a
+            ``WalkerSet``, an object that is not an array or a number), a ``WalkerSet``
+            whose ``n_valid`` exceeds its walkers, or metadata JSON cannot hold.
+        ImportError: when orbax-checkpoint is not installed (``pip install 'shardvmc[checkpoint]'``).
+
+    Example:
+        >>> import tempfile, jax, jax.numpy as jnp, shardvmc as sv
+        >>> walkers = sv.WalkerSet(sv.shard_walker(jnp.arange(24.0).reshape(8, 3), sv.create_mesh()), n_valid=6)
+        >>> state = {"walkers": walkers, "params": {"w": jnp.ones(2)}, "step": 10, "key": jax.random.key(1)}
+        >>> path = sv.save_state(tempfile.mkdtemp(), state, metadata={"energy": -2.9})
+        >>> restored, meta = sv.load_state(path, state, mesh=sv.create_mesh(jax.devices()[:3]))
+        >>> restored["walkers"].data.shape, restored["walkers"].n_valid, restored["step"], meta
+        ((6, 3), 6, 10, {'energy': -2.9})
+    """
+    return _save_once("save_state", path, state, metadata, asynchronous=True)
+
+
+def load_state(
+    path: str | os.PathLike[str],
+    like: Any,
+    *,
+    mesh: Mesh | None = None,
+    axis_name: str = "walkers",
+    n_walkers: int | None = None,
+) -> tuple[Any, dict[str, Any]]:
+    """Read a state saved by :func:`save_state` (or a :class:`Checkpointer`) onto ``mesh``, exactly.
+
+    Walker-set leaves come back sharded over the walker axis of ``mesh`` (any number of
+    devices and processes; each process reads its own devices' rows), padded with
+    copies of walker 0; other ``jax.Array`` leaves replicated; NumPy and Python values
+    and typed keys as they were. ``n_walkers`` restores every walker set onto that count
+    (see :func:`load_walkers`; with several sets, ``metadata[sv.RESIZED]`` is a dict of
+    them by pytree path).
+
+    Args:
+        path: a directory written by :func:`save_state`, a :class:`Checkpointer`'s
+            directory (its latest step), or one of its step directories.
+        like: the saved state's structure, dtypes and shapes: the freshly initialised
+            state, or its ``jax.eval_shape`` (a NumPy leaf comes back in its saved dtype,
+            which ``like`` may show as JAX holds it). Its ``WalkerSet``\\ s may hold any
+            walker count; their ``n_valid`` is the saved count unless ``n_walkers`` is given.
+        mesh: the mesh to restore onto; defaults to the ``use_mesh`` one, else all devices.
+        axis_name: the walker axis of ``mesh``.
+        n_walkers: the number of walkers to restore in each walker set; ``None``: the saved counts.
+
+    Returns:
+        ``(state, metadata)``, the metadata given at save time (``{}`` if none).
+
+    Raises:
+        FileNotFoundError: when ``path`` does not exist.
+        CallError: for a damaged checkpoint (naming it), a structure, dtype or shape
+            other than ``like``'s (naming the leaf), a ``WalkerSet`` ``like`` of another
+            count, or a bad ``n_walkers``.
+    """
+    path = Path(path).absolute()
+    if path.is_file():
+        problem = f"{str(path)!r} is a file, not a state checkpoint (a directory)."
+        fix = "pass a directory sv.save_state or sv.Checkpointer wrote; read .npz walker files with sv.load_walkers."
+        raise _error("load_state", problem, fix)
+    return _load("load_state", path, like, mesh, axis_name, n_walkers)
+
+
+class Checkpointer:
+    """Training-state checkpoints in a directory: asynchronous saves, the last ``keep`` steps, elastic restores.
+
+    ``save(step, state)`` returns once the state is on the host and writes it in the
+    background (the next ``save`` or :meth:`wait` waits for it); :meth:`restore` reads
+    a kept step as :func:`load_state` does. Each step is an orbax step directory
+    ``<directory>/<step>``, committed once every process has written its part. With
+    several processes, create it and call :meth:`save` and :meth:`restore` on every
+    process. Use it as a context manager, or call :meth:`close`.
+
+    Args:
+        directory: where the steps live (created if missing).
+        keep: how many of the latest steps to keep (``None``: all).
+        asynchronous: write in the background (``False``: :meth:`save` returns once committed).
+
+    Raises:
+        ImportError: when orbax-checkpoint is not installed (``pip install 'shardvmc[checkpoint]'``).
+
+    Example:
+        >>> import tempfile, jax, jax.numpy as jnp, optax, shardvmc as sv
+        >>> params = sv.replicate({"w": jnp.ones(3)})
+        >>> walkers = sv.initialize_walkers_sharded(lambda k: jax.random.normal(k, (2, 3)), 6, key=jax.random.key(0))
+        >>> state = {"walkers": walkers, "params": params, "opt": optax.adam(1e-3).init(params), "step": 0}
+        >>> with sv.Checkpointer(tempfile.mkdtemp(), keep=2) as ckpt:
+        ...     for step in range(3):
+        ...         _ = ckpt.save(step, {**state, "step": step}, metadata={"energy": -1.0})
+        ...     restored, meta = ckpt.restore(state, mesh=sv.create_mesh(jax.devices()[:3]))
+        ...     ckpt.steps()
+        [1, 2]
+        >>> restored["step"], restored["walkers"].n_valid, restored["walkers"].n_walkers, meta
+        (2, 6, 6, {'energy': -1.0})
+    """
+
+    def __init__(self, directory: str | os.PathLike[str], *, keep: int | None = 3, asynchronous: bool = True) -> None:
+        if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
+            problem = "keep must be a positive int (the number of latest steps kept) or None (all)."
+            raise _error("Checkpointer", problem, "pass keep=3, for example.", repr(keep))
+        self.directory, self.keep = Path(directory).absolute(), keep
+        self._manager = _manager(self.directory, keep=keep, asynchronous=asynchronous)
+        _LIVE.add(self)
+
+    def save(self, step: int, state: Any, *, metadata: dict[str, Any] | None = None) -> bool:
+        """Save ``state`` with ``metadata`` as ``step`` (see :func:`save_state`); returns once it is on the host.
+
+        The caller may change, donate or delete the state's arrays at once; a later
+        :meth:`save`, :meth:`wait` or :meth:`close` waits for the write (and raises its error).
+
+        Returns:
+            ``True``; ``False`` (and nothing written) when ``step`` is already saved,
+            e.g. a preemption at a step that was just saved periodically.
+
+        Raises:
+            CallError: as :func:`save_state`, or for a bad ``step``.
+        """
+        step = _check_step("Checkpointer.save", step)
+        header, arrays = _prepare("Checkpointer.save", state, metadata)
+        if step in self._manager.all_steps():
+            return False
+        _write(self._manager, step, header, arrays)
+        return True
+
+    def restore(
+        self,
+        like: Any,
+        step: int | None = None,
+        *,
+        mesh: Mesh | None = None,
+        axis_name: str = "walkers",
+        n_walkers: int | None = None,
+    ) -> tuple[Any, dict[str, Any]]:
+        """Read ``step`` (default: the latest) as :func:`load_state` does (``FileNotFoundError`` if not kept)."""
+        where = "Checkpointer.restore"
+        self.wait()
+        steps = sorted(self._manager.all_steps())
+        if step is None and not steps:
+            raise FileNotFoundError(f"{where}: {str(self.directory)!r} holds no checkpoint yet.")
+        step = _check_step(where, steps[-1] if step is None else step)
+        if step not in steps:
+            raise FileNotFoundError(f"{where}: {str(self.directory)!r} holds no step {step} (it holds {steps}).")
+        return _restore_step(where, self._manager, step, like, mesh, axis_name, n_walkers)
+
+    def latest_step(self) -> int | None:
+        """The latest step saved (or being saved), ``None`` when there is none."""
+        return self._manager.latest_step()
+
+    def steps(self) -> list[int]:
+        """The steps kept, in increasing order (a step being written included)."""
+        return sorted(self._manager.all_steps())
+
+    def wait(self) -> None:
+        """Wait until every write of this checkpointer is committed; raise the error of one that failed."""
+        self._manager.wait_until_finished()
+
+    def close(self) -> None:
+        """Wait for the writes (as :meth:`wait`) and release the checkpointer."""
+        self._manager.close()
+        _LIVE.discard(self)
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Checkpointer({str(self.directory)!r}, keep={self.keep})"

@@ -7,9 +7,9 @@ Not a test module itself: ``tests/test_checkpoint.py`` launches it as
 ``save`` (2 x 2): checks ``sv.distributed.check_consistent`` with equal and with
 diverged parameters, saves ``DIR/walkers.npz`` (version 1), writes what it saw to
 ``DIR/save_<process>.json``, then starts a second save in which process 1 kills itself
-(SIGKILL) half-way through writing its part file. ``load`` (any layout): restores the
-checkpoint, exactly and with ``n_walkers=6``, and writes the rows its devices got and
-the files it opened to ``DIR/load_<process>.json``.
+(SIGKILL) once it has started writing its arrays. ``load`` (any layout): restores the
+checkpoint, exactly and with ``n_walkers=6``, and writes the rows its devices got to
+``DIR/load_<process>.json``.
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ import jax.numpy as jnp
 import numpy as np
 
 import shardvmc as sv
-import shardvmc._checkpoint as checkpoint
 
 N_VALID = 10  # of 12 walkers: 3 per device on 4 devices
 
@@ -87,39 +86,31 @@ def save(directory: str) -> None:
         "keys": everything["keys"][:N_VALID].tolist(),
         "spin": spin[:N_VALID].tolist(),
     }
-    result["data_dirs"] = sorted(p for p in os.listdir(directory) if p.startswith("walkers.npz.d-"))
+    result["steps"] = sorted(os.listdir(path))
     with open(os.path.join(directory, f"save_{me}.json"), "w") as f:
         json.dump(result, f)
 
-    if me == 1:  # die half-way through writing this process's part of the next checkpoint
-        savez = checkpoint.np.savez
+    if me == 1:  # die once this process has started writing its arrays of the next checkpoint
+        import orbax.checkpoint as ocp
 
-        def half_then_die(file: Any, **arrays: Any) -> None:
-            file.write(b"PK\x03\x04" + b"\0" * 4096)
-            file.flush()
+        write = ocp.PyTreeCheckpointHandler.async_save
+
+        def start_then_die(*args: Any, **kwargs: Any) -> Any:
+            futures = write(*args, **kwargs)
             os.kill(os.getpid(), signal.SIGKILL)
-            savez(file, **arrays)  # pragma: no cover
+            return futures  # pragma: no cover
 
-        checkpoint.np.savez = half_then_die
+        ocp.PyTreeCheckpointHandler.async_save = start_then_die
     sv.save_walkers(path, jax.tree_util.tree_map(lambda x: x, walkers), metadata={"version": 2})
     print("the second save completed", flush=True)  # never reached: the group is stopped
 
 
 def load(directory: str) -> None:
-    opened: list[str] = []
-    open_npz = checkpoint._open_npz
-
-    def recording(path: Any) -> Any:
-        opened.append(os.path.basename(path))
-        return open_npz(path)
-
-    checkpoint._open_npz = recording
     path = os.path.join(directory, "walkers.npz")
     exact = sv.load_walkers(path, like())
     result = {"n_valid": exact.n_valid, "set_n_valid": exact.walkers.n_valid, "metadata": exact.metadata}
     result["exact"] = _local(exact.walkers.data)
     result["step"] = int(np.asarray(exact.walkers.data["step"].addressable_data(0)))
-    result["opened"] = sorted(set(opened))
     fewer = sv.load_walkers(path, like(), n_walkers=6)
     result["fewer"] = {"n_valid": fewer.n_valid, "metadata": fewer.metadata, "local": _local(fewer.walkers.data)}
     with open(os.path.join(directory, f"load_{jax.process_index()}.json"), "w") as f:
