@@ -12,10 +12,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.flatten_util import ravel_pytree
+from optional_imports import import_or_skip
 
 import shardvmc as sv
 
-optax = pytest.importorskip("optax")
+optax = import_or_skip("optax")
 import shardvmc.optax as svx  # noqa: E402
 
 N, N_VALID = 16, 13
