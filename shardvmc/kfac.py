@@ -46,7 +46,10 @@ split evenly over the mesh is refused (``CallError``), and a ``WalkerSet`` with 
 is passed without it when its valid walkers split evenly.
 
 Importing this module applies, when the installed kfac-jax needs it, the fix of kfac-jax
-0.0.8 for JAX >= 0.9.2 (:data:`KFAC_JAX_PATCHED`; see ``shardvmc/_kfac_compat.py``).
+0.0.8 for JAX >= 0.9.2 (:data:`KFAC_JAX_PATCHED`; see ``shardvmc/_kfac_compat.py``). On a
+JAX that kfac-jax cannot be imported on (0.0.8 on JAX >= 0.11), importing it raises an
+``ImportError`` naming both versions and the fix (``pip install "shardvmc[kfac]"``, whose
+extra pins JAX below 0.11).
 
 Example:
     >>> import jax, jax.numpy as jnp, kfac_jax, shardvmc as sv, shardvmc.kfac
