@@ -13,7 +13,6 @@ import os
 import re
 import subprocess
 import sys
-import textwrap
 import tomllib
 from pathlib import Path
 
@@ -44,36 +43,34 @@ def _env(*first: Path) -> dict[str, str]:
     return env
 
 
-def _import_error(env: dict[str, str], prelude: str = "") -> str:
-    """What ``import shardvmc.kfac`` raises in a fresh process (its message, and the type of its cause)."""
-    code = textwrap.dedent(
-        f"""
-        {prelude}
-        try:
-            import shardvmc.kfac
-        except ImportError as err:
-            print(err)
-            print("cause:", type(err.__cause__).__name__)
-        else:
-            print("imported")
-        """
-    )
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr
-    return out.stdout
+@pytest.fixture
+def unimported(monkeypatch):
+    """kfac-jax and shardvmc.kfac out of ``sys.modules`` for the test (put back after it), so imports run again."""
+    for name in list(sys.modules):
+        if name.split(".")[0] == "kfac_jax" or name in ("shardvmc.kfac", "shardvmc._kfac_compat"):
+            monkeypatch.delitem(sys.modules, name)
+    return monkeypatch
 
 
-def test_importing_without_kfac_jax_says_how_to_install_it():
-    out = _import_error(_env(), prelude='import sys; sys.modules["kfac_jax"] = None  # as if not installed')
-    assert "needs kfac-jax, which is not installed" in out
-    assert 'pip install "shardvmc[kfac]"' in out
+def _import_error() -> ImportError:
+    with pytest.raises(ImportError) as info:
+        importlib.import_module("shardvmc.kfac")
+    return info.value
 
 
-def test_a_kfac_jax_that_cannot_run_on_this_jax_is_an_import_error_naming_versions_and_fix(broken_kfac_jax):
-    out = _import_error(_env(broken_kfac_jax))
-    assert f"kfac-jax 9.9.9 cannot be imported with JAX {jax.__version__}" in out
-    assert f"AttributeError: {BROKEN}" in out and "cause: AttributeError" in out
-    assert 'pip install "shardvmc[kfac]"' in out and 'pip install "jax<0.11" "jaxlib<0.11"' in out
+def test_importing_without_kfac_jax_says_how_to_install_it(unimported):
+    unimported.setitem(sys.modules, "kfac_jax", None)  # as if not installed
+    message = str(_import_error())
+    assert "needs kfac-jax, which is not installed" in message
+    assert 'pip install "shardvmc[kfac]"' in message
+
+
+def test_a_kfac_jax_that_cannot_run_on_this_jax_is_an_import_error_naming_versions_and_fix(unimported, broken_kfac_jax):
+    unimported.syspath_prepend(str(broken_kfac_jax))
+    err = _import_error()
+    assert f"kfac-jax 9.9.9 cannot be imported with JAX {jax.__version__}" in str(err)
+    assert f"AttributeError: {BROKEN}" in str(err) and isinstance(err.__cause__, AttributeError)
+    assert 'pip install "shardvmc[kfac]"' in str(err) and 'pip install "jax<0.11" "jaxlib<0.11"' in str(err)
 
 
 def test_shardvmc_kfac_imports_exactly_when_kfac_jax_does():
