@@ -4,8 +4,9 @@
 does not support the installed JAX fails its import otherwise: kfac-jax 0.0.8 on JAX
 >= 0.11 raises ``AttributeError`` (``jax.core.Effects``, removed in JAX 0.11). Uncaught at
 a module's top, that makes the whole module uncollectable; here it is a skip whose
-reason names the versions and the error. The root conftest.py uses :func:`unusable` for
-the doctests of the modules that import such a package.
+reason names the versions and the error. tests/test_docs.py uses :func:`unusable` for the
+blocks that import such a package; the root conftest.py skips the doctests of
+``shardvmc.kfac`` the same way.
 """
 
 from __future__ import annotations

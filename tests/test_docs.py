@@ -216,10 +216,14 @@ def run_page(page: Path, n_devices: int, skipped: list[str] | None = None) -> li
     namespace: dict = {"__name__": f"docs_{page.stem}"}
     name = f"docs/{page.name}"
     printed: str | None = None  # what the last python block printed
+    not_run = False  # whether the last block was one not run here (its Output block is not checked either)
     for block in _page_blocks(page):
         where = f"{name}:{block.line}"
         is_output, for_devices = _expected_output(block)
+        follows_not_run, not_run = not_run, False
         if is_output:
+            if follows_not_run:
+                continue
             if printed is None:
                 return [f"{where}: an Output block must follow a python block"]
             if for_devices in (None, n_devices) and not _check_output(printed, block.body):
@@ -236,7 +240,7 @@ def run_page(page: Path, n_devices: int, skipped: list[str] | None = None) -> li
         if (why := _cannot_run(block)) is not None:
             if skipped is not None:
                 skipped.append(f"{where} ({why})")
-            printed = None  # its Output block, if any, is not checked either
+            printed, not_run = None, True
             continue
         stdout = io.StringIO()
         try:
@@ -298,9 +302,21 @@ def test_code_examples_run_on_one_device():
         timeout=ONE_DEVICE_WAIT_S,
     )
     assert proc.returncode == 0, proc.stdout[-12000:] + proc.stderr[-4000:]
-    ran, *skipped = proc.stdout.splitlines()
+    ran, *not_run = proc.stdout.splitlines()
     assert ran.split() == ["ran", "on", "1", "devices:", *RUNNABLE], proc.stdout + proc.stderr[-4000:]
-    _skip_if_any([line.removeprefix("skipped ") for line in skipped])
+    _skip_if_any([line.removeprefix("skipped ") for line in not_run])
+
+
+def test_blocks_that_need_an_unusable_package_are_not_run_nor_their_output(tmp_path, monkeypatch):
+    monkeypatch.setitem(NEEDS, "not_a_module_anywhere", "not_a_module_anywhere")
+    page = tmp_path / "p.md"
+    page.write_text(
+        '```python\nimport not_a_module_anywhere\nprint(1)\n```\n\n```text title="Output"\n2\n```\n\n'
+        '```python\nprint(3)\n```\n\n```text title="Output"\n3\n```\n'
+    )
+    skipped = []
+    assert run_page(page, 1, skipped) == []
+    assert skipped == ["docs/p.md:2 (not_a_module_anywhere is not installed)"]
 
 
 def test_output_blocks_follow_the_code_they_quote(tmp_path):
@@ -350,5 +366,6 @@ if __name__ == "__main__":  # the one-device run of test_code_examples_run_on_on
     not_run: list[str] = []
     failed = [f for page in sys.argv[1:] for f in run_page(DOCS / page, jax.device_count(), not_run)]
     print("\n\n".join(failed) if failed else f"ran on {jax.device_count()} devices: {' '.join(sys.argv[1:])}")
-    print("".join(f"skipped {x}\n" for x in not_run) if not failed else "", end="")  # one line each (reasons: one line)
+    for block in not_run if not failed else []:
+        print(f"skipped {block}")  # one line each (optional_imports gives one-line reasons)
     sys.exit(1 if failed else 0)
