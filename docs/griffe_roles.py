@@ -1,5 +1,8 @@
 """Griffe extension for the API reference: Sphinx roles in docstrings become Markdown.
 
+It also reads a docstring's ``Example:`` section as the ``Examples:`` section it is meant
+to be, so that its doctest is shown as code.
+
 shardvmc's docstrings are Google style with Sphinx cross-reference roles
 (``:func:`walker_parallel```). mkdocstrings does not read roles, so this rewrites each
 one to a link to the documented object (``[`walker_parallel`][shardvmc.walker_parallel]``)
@@ -16,6 +19,7 @@ import griffe
 
 _ROLE = re.compile(r":(?:py:)?(?:func|class|meth|attr|mod|data|exc|obj):`~?\.?([\w.]+)(?:\(\))?`")
 _API = Path(__file__).with_name("api.md")
+_EXAMPLE = re.compile(r"^([ \t]*)Example:[ \t]*$", re.M)
 
 
 def _documented() -> set[str]:
@@ -46,7 +50,12 @@ class SphinxRoles(griffe.Extension):
 
             doc = getattr(importlib.import_module("shardvmc._markers"), obj.name, None).__doc__
             obj.docstring = griffe.Docstring(doc, parent=obj) if doc else None
-        if obj.docstring is None or ":`" not in obj.docstring.value:
+        if obj.docstring is None:
+            return
+        # Google style's section is "Examples:"; griffe reads the singular "Example:" as an admonition of
+        # Markdown, in which the doctest's ">>>" lines become nested block quotes.
+        obj.docstring.value = _EXAMPLE.sub(r"\1Examples:", obj.docstring.value)
+        if ":`" not in obj.docstring.value:
             return
 
         def replace(m: re.Match[str]) -> str:

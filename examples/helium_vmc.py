@@ -161,7 +161,8 @@ def make_kernels(batch_size: int | None = None, mesh: Mesh | None = None) -> Ker
     ``batch_size`` bounds the memory of each device; ``mesh=None`` runs on the
     ``sv.use_mesh`` mesh, else on all devices.
     """
-    return Kernels(*(k.with_options(mesh=mesh, batch_size=batch_size) for k in (metropolis_step, refresh, measure)))
+    kernels = (metropolis_step, refresh, measure)
+    return Kernels(*(k.with_options(mesh=mesh, batch_size=batch_size) for k in kernels))
 
 
 # --8<-- [end:make_kernels]

@@ -118,8 +118,12 @@ def metropolis(
         k_move, k_accept = jax.random.split(jax.random.fold_in(key, i))
         proposal = w["r"] + step_size * jax.random.normal(k_move, w["r"].shape, w["r"].dtype)
         new_log_psi = log_psi(params, proposal, system)
-        accept = jnp.log(jax.random.uniform(k_accept, dtype=w["r"].dtype)) < 2.0 * (new_log_psi - w["log_psi"])
-        w = {"r": jnp.where(accept, proposal, w["r"]), "log_psi": jnp.where(accept, new_log_psi, w["log_psi"])}
+        log_ratio = 2.0 * (new_log_psi - w["log_psi"])
+        accept = jnp.log(jax.random.uniform(k_accept, dtype=w["r"].dtype)) < log_ratio
+        w = {
+            "r": jnp.where(accept, proposal, w["r"]),
+            "log_psi": jnp.where(accept, new_log_psi, w["log_psi"]),
+        }
         return w, accepted + accept.astype(w["r"].dtype)
 
     walker, accepted = jax.lax.fori_loop(0, sweeps, move, (walker, jnp.zeros((), walker["r"].dtype)))
@@ -127,7 +131,11 @@ def metropolis(
 
 
 @sv.walker_parallel
-def refresh(params: sv.Replicated[Any], walker: sv.PerWalker[dict], system: sv.Static[systems.System]) -> dict:
+def refresh(
+    params: sv.Replicated[Any],
+    walker: sv.PerWalker[dict],
+    system: sv.Static[systems.System],
+) -> dict:
     """The walker with log|psi| recomputed for new parameters."""
     return {"r": walker["r"], "log_psi": log_psi(params, walker["r"], system)}
 
@@ -137,7 +145,8 @@ def measure(
     params: sv.Replicated[Any], walker: sv.PerWalker[dict], system: sv.Static[systems.System]
 ) -> tuple[sv.PerWalker[jax.Array], sv.PerWalker[jax.Array]]:
     """The local energy (folx forward Laplacian) and the flat log-derivative row of ONE walker."""
-    e = hamiltonian.make_local_energy(lambda p, r: log_psi(p, r, system), system, method="folx")(params, walker["r"])
+    local_energy = hamiltonian.make_local_energy(lambda p, r: log_psi(p, r, system), system, method="folx")
+    e = local_energy(params, walker["r"])
     flat, unravel = ravel_pytree(params)
     return e, jax.grad(lambda p: log_psi(unravel(p), walker["r"], system))(flat)
 
@@ -147,14 +156,17 @@ def energy(
     params: sv.Replicated[Any], walker: sv.PerWalker[dict], system: sv.Static[systems.System]
 ) -> sv.PerWalker[jax.Array]:
     """The local energy of ONE walker (the evaluation needs no gradient)."""
-    return hamiltonian.make_local_energy(lambda p, r: log_psi(p, r, system), system, method="folx")(params, walker["r"])
+    local_energy = hamiltonian.make_local_energy(lambda p, r: log_psi(p, r, system), system, method="folx")
+    return local_energy(params, walker["r"])
 
 
 @sv.walker_parallel
 def clip(
     e: sv.PerWalker[jax.Array], width: sv.Static[float]
 ) -> tuple[sv.PerWalker[jax.Array], sv.Mean[jax.Array], sv.Mean[jax.Array]]:
-    """FermiNet's clipping: ``e`` clipped to mean +- ``width`` mean absolute deviations; the means of ``e``, ``e**2``.
+    """FermiNet's clipping: ``e`` clipped to mean +- ``width`` mean absolute deviations.
+
+    Returns the clipped energies and the means of ``e`` and ``e**2``.
 
     The window is a statistic over all valid walkers (``sv.all_walkers``), held constant.
     A kernel of its own: ``sv.all_walkers`` cannot see across the chunks of a ``batch_size`` kernel.
@@ -250,7 +262,13 @@ def make_steps(config: Config, mesh: Any) -> tuple[Any, Callable[..., Any], Call
         walkers, acceptance = sample(state, walkers, key)
         e, j = measure_(state.params, walkers, system)
         e_clipped, e_mean, e2_mean = clip_(e, config.clip)
-        updates, opt = optimiser.update(state.params, state.opt, state.params, jacobian=j, local_energies=e_clipped)
+        updates, opt = optimiser.update(
+            state.params,
+            state.opt,
+            state.params,
+            jacobian=j,
+            local_energies=e_clipped,
+        )
         params = optax.apply_updates(state.params, updates)
         walkers = refresh_(params, walkers, system)
         return (
@@ -264,7 +282,12 @@ def make_steps(config: Config, mesh: Any) -> tuple[Any, Callable[..., Any], Call
         walkers, acceptance = sample(state, walkers, key)
         positions = sv.WalkerSet(walkers.data["r"], walkers.n_valid)
         params, opt, stats = optimiser.step(
-            state.params, state.opt, jax.random.fold_in(key, 1), batch=positions, momentum=0.0, damping=config.damping
+            state.params,
+            state.opt,
+            jax.random.fold_in(key, 1),
+            batch=positions,
+            momentum=0.0,
+            damping=config.damping,
         )
         walkers = refresh_(params, walkers, system)
         return (

@@ -10,6 +10,7 @@ Example:
 """
 
 from . import distributed as distributed
+from ._caches import clear_caches as clear_caches
 from ._checkpoint import RESIZED as RESIZED
 from ._checkpoint import Checkpoint as Checkpoint
 from ._checkpoint import load_walkers as load_walkers
@@ -17,6 +18,7 @@ from ._checkpoint import save_walkers as save_walkers
 from ._decorator import WalkerParallel as WalkerParallel
 from ._decorator import replicated_args as replicated_args
 from ._decorator import walker_parallel as walker_parallel
+from ._errors import ArgumentsError as ArgumentsError
 from ._errors import CallError as CallError
 from ._errors import DecorationError as DecorationError
 from ._errors import ShardvmcError as ShardvmcError
@@ -66,6 +68,7 @@ from ._walkerset import WalkerSet as WalkerSet
 __version__ = "0.2.0"
 
 __all__ = [
+    "ArgumentsError",
     "CallError",
     "Checkpoint",
     "Checkpointer",
@@ -88,6 +91,7 @@ __all__ = [
     "WalkerSet",
     "all_walkers",
     "assemble_sharded",
+    "clear_caches",
     "create_mesh",
     "distributed",
     "gather_walkers",

@@ -719,7 +719,8 @@ def load_walkers(
         >>> import os, tempfile, jax, jax.numpy as jnp, shardvmc as sv
         >>> path = os.path.join(tempfile.mkdtemp(), "walkers.npz")
         >>> _ = sv.save_walkers(path, {"r": jnp.ones((8, 3))}, n_valid=7, metadata={"step": 5})
-        >>> walkers, n_valid, meta = sv.load_walkers(path, {"r": jnp.zeros((1, 3))}, sv.create_mesh(jax.devices()[:3]))
+        >>> mesh3 = sv.create_mesh(jax.devices()[:3])
+        >>> walkers, n_valid, meta = sv.load_walkers(path, {"r": jnp.zeros((1, 3))}, mesh3)
         >>> walkers.data["r"].shape, walkers.data["r"].sharding.spec, n_valid, walkers.n_valid, meta
         ((9, 3), P('walkers',), 7, 7, {'step': 5})
         >>> more = sv.load_walkers(path, {"r": jnp.zeros((1, 3))}, n_walkers=10)

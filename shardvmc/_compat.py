@@ -22,12 +22,15 @@ from typing import Any
 import jax
 from jax.sharding import AbstractMesh, Mesh
 
+from ._internals import get_concrete_mesh  # the cheap getter of the context mesh (see _internals)
+
 __all__ = [
     "CHECK_VMA",
+    "auto_axes_mesh",
     "axis_size",
     "constrain",
     "context_mesh",
-    "context_mesh_differs",
+    "get_concrete_mesh",
     "has_explicit_axes",
     "shard_map",
 ]
@@ -73,19 +76,26 @@ def constrain(tree: Any, sharding: jax.sharding.NamedSharding) -> Any:
     return jax.tree_util.tree_map(lambda x: jax.lax.with_sharding_constraint(x, sharding), tree)
 
 
-try:  # the cheap getter (0.2 us; the public jax.sharding.get_mesh costs 0.8 us per call)
-    from jax._src.mesh import get_concrete_mesh as _get_concrete_mesh
-except ImportError:  # pragma: no cover
-    _get_concrete_mesh = getattr(jax.sharding, "get_mesh", lambda: None)
-
-
 def context_mesh() -> Mesh | None:
-    """JAX's current mesh (``jax.set_mesh``), or ``None`` when none is set."""
-    mesh = _get_concrete_mesh()
+    """JAX's current mesh (``jax.set_mesh``, also inside a trace), or ``None`` when none is set."""
+    mesh = get_concrete_mesh()
     return None if mesh is None or mesh.empty else mesh
 
 
-def context_mesh_differs(mesh: Mesh) -> bool:
-    """Whether JAX's current mesh is set and is not ``mesh`` (shard_map would then refuse to run)."""
-    current = _get_concrete_mesh()
-    return current is not None and not current.empty and current != mesh
+_AUTO_MESHES: dict[Mesh, Mesh] = {}
+
+
+def auto_axes_mesh(mesh: Mesh) -> Mesh:
+    """``mesh`` with every axis of Auto type (the same devices, names and shape)."""
+    try:
+        return _AUTO_MESHES[mesh]
+    except KeyError:
+        pass
+    if all(t == jax.sharding.AxisType.Auto for t in mesh.axis_types):
+        auto = mesh
+    else:
+        auto = Mesh(mesh.devices, mesh.axis_names, axis_types=(jax.sharding.AxisType.Auto,) * len(mesh.axis_names))
+    if len(_AUTO_MESHES) > 64:  # meshes are few; a program that builds many keeps this bounded
+        _AUTO_MESHES.clear()
+    _AUTO_MESHES[mesh] = auto
+    return auto

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
+import sys
 import types
 from collections.abc import Callable
-from typing import Any, overload
+from typing import Any, cast, overload
 
 import jax
 import jax.numpy as jnp
@@ -16,10 +16,12 @@ from jax.core import Tracer
 from jax.sharding import Mesh
 
 from . import _compat
-from ._errors import CallError, DecorationError, ShardvmcError, UnhashableStaticError, message
+from ._caches import register_kernel
+from ._errors import ArgumentsError, CallError, DecorationError, ShardvmcError, UnhashableStaticError, message
 from ._kernel import (
     TRACED,
     Options,
+    call_with,
     check_inputs,
     concrete_argument_error,
     inside_kernel,
@@ -27,8 +29,8 @@ from ._kernel import (
     raised_in_body,
 )
 from ._markers import Kind, Layout, missing_markers_error, parse
-from ._mesh import resolve_mesh, use_mesh_is_set
-from ._plan import KernelSpec, Plan, PlanKey, auto_signature, make_plan, pinned_out_shardings
+from ._mesh import call_mesh, entered_mesh, mesh_of_arrays, onto_mesh
+from ._plan import KernelSpec, Plan, PlanKey, auto_signature, make_plan, pinned_out_shardings, raise_if_disagree
 from ._walkerset import WalkerSet, check_n_valid, first_count, split_walker_set
 
 __all__ = ["WalkerParallel", "replicated_args", "walker_parallel"]
@@ -52,8 +54,15 @@ def _is_leaf_type(x: Any) -> bool:
 _TRACED_ERROR = "_shardvmc_traced"
 
 
-class _NotFast(Exception):
-    """Raised in the fast path's trace when the plan must run outside ``jax.jit``."""
+def _n_valid_conflict(qualname: str, n_valid: Any, count: int) -> CallError:
+    return CallError(
+        message(
+            qualname,
+            "n_valid= disagrees with the count the WalkerSet argument carries.",
+            got=f"n_valid={n_valid!r}, WalkerSet.n_valid={count}",
+            fix="drop n_valid= (the WalkerSet knows its count), or pass walkers.replace(n_valid=...).",
+        )
+    )
 
 
 class WalkerParallel:
@@ -83,7 +92,8 @@ class WalkerParallel:
         self._nested = nested
         self._missing: list[str] = []
         self._plans: dict[tuple[Any, ...], Plan] = {}  # by PlanKey, held as a plain tuple (cheaper to build)
-        self._checked_mesh: Mesh | None = None
+        self._jits: dict[tuple[Mesh, Any], Any] = {}  # the kernel's jax.jit per (mesh, walker axes)
+        register_kernel(self)
         if layout is None:
             # Unmarked parameters are reported at the first call: a replicated_args(...) stacked above may
             # still name them (Python applies it after this decorator).
@@ -92,16 +102,16 @@ class WalkerParallel:
         self._spec = KernelSpec.of(fn, layout, options, self._qualname)
         self._no_parts: tuple[None, ...] = (None,) * len(self._spec.dyn_idx)
         self._auto = options.batch_size == "auto"
-        # The fast path: a call with positional arguments runs as one jax.jit of the plan path, so that jax.jit's
-        # C++ dispatch checks the signature, not Python (the plan path costs a few microseconds per call, which
-        # decides the time of a small kernel). Built at the first call; batch_size="auto" measures programs while
-        # planning: plan path only.
-        self._fast: Callable[..., Any] | None = None if self._auto else self._first_fast_call
-        self._fast_out: Any = None  # the out_shardings of the fast path's jit
         self._walker_args = tuple(self._spec.dyn_idx[j] for j in self._spec.walker_idx)  # positions of PerWalker
         # A call with every argument positional skips Signature.bind (the common case). -1 matches no call: with a
-        # missing marker every call goes through _arguments, which reports it.
-        self._n_params = -1 if self._missing else len(layout.signature.parameters)
+        # missing marker, or keyword-only parameters, every call goes through _arguments.
+        positional = all(
+            p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in layout.signature.parameters.values()
+        )
+        self._n_params = len(layout.signature.parameters) if positional and not self._missing else -1
+        outputs_ = layout.output if isinstance(layout.output, tuple) else (layout.output,)
+        # Whether the program also returns the cross-device comparison of Replicated outputs (see Plan).
+        self._verify = options.batched and options.checks and Kind.REPLICATED in outputs_
         outputs = layout.output if isinstance(layout.output, tuple) else (layout.output,)
         if Kind.REPLICATED in outputs and not options.batched:
             raise DecorationError(
@@ -146,20 +156,36 @@ class WalkerParallel:
         )
 
     def _arguments(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+        """The call's arguments in parameter order (keyword-only and positional-only ones included)."""
         if self._missing:
             raise missing_markers_error(self._qualname, self._missing)
         try:
             bound = self._layout.signature.bind(*args, **kwargs)
         except TypeError as err:
-            raise TypeError(f"{self._qualname}: {err}") from None
+            raise ArgumentsError(
+                message(
+                    self._qualname,
+                    f"the arguments do not match the function's signature: {err}.",
+                    got=f"{len(args)} positional argument(s), keywords {sorted(kwargs)}",
+                    expected=f"the parameters {self._layout.signature} (plus the kernel's own keyword n_valid=)",
+                    fix="call the kernel with the function's own parameters, walker arguments with a walker axis.",
+                )
+            ) from None
         bound.apply_defaults()
         return tuple(bound.arguments.values())
 
-    def _prepare(self, args: tuple[Any, ...], n_valid: Any) -> tuple[Plan, tuple[Any, ...], Any, int | None]:
+    def _prepare(
+        self,
+        args: tuple[Any, ...],
+        n_valid: Any,
+        mesh: Mesh,
+        axis: str | tuple[str, ...],
+        parts: tuple[Any, ...] | None,
+    ) -> tuple[Plan, tuple[Any, ...], Any, int | None]:
         """The plan of this call, its traced arguments, the traced ``n_valid`` (or None) and the set count.
 
-        The per-call path of every kernel: it stays to type checks and one dictionary
-        lookup when the arguments are arrays (measured in ``benchmarks/``).
+        Runs while the call traces (and for ``explain``): JAX's cache of the kernel's jit
+        decides when a call needs it.
         """
         spec = self._spec
         dyn = spec.dyn_of(args)
@@ -168,48 +194,51 @@ class WalkerParallel:
             if type(dyn[j]) is WalkerSet:
                 dyn, n_valid, wrap = self._walker_sets(dyn, n_valid)
                 break
-        parts = self._no_parts
-        for j in spec.container_idx:
-            if not _is_leaf_type(dyn[j]):  # a pytree, a model container: split off its non-arrays
-                dyn, parts = self._partition(dyn)
-                break
+        if parts is None:
+            parts = self._no_parts
         # The unchecked count keys the plan; the trace-time checks (checks=True) say whether every PerWalker leaf
         # agrees with it.
         n = first_count(dyn[spec.walker_idx[0]]) if spec.walker_idx else None
         if n is None:
             n = check_inputs(spec.qualname, spec.layout, dyn, spec.dyn_params)
         # A WalkerSet's count is part of its pytree structure: compiled in. An explicit n_valid= is data: one
-        # program serves every value (a concrete one travels as an int32 scalar).
+        # program serves every value.
         key_count: int | str | None = None
         if wrap is not None:
-            check_n_valid(self._qualname, n_valid, n)
             key_count, n_valid = (None if n_valid == n else n_valid), None
         elif n_valid is not None:
-            check_n_valid(self._qualname, n_valid, n)
             key_count = TRACED
-            if not isinstance(n_valid, Tracer):
-                n_valid = np.int32(n_valid)
-        mesh = self._mesh
-        if mesh is None or mesh is not self._checked_mesh:
-            mesh = resolve_mesh(mesh, self._options.axis_name, where=self._qualname)
-            if self._mesh is not None:
-                self._checked_mesh = mesh  # a fixed mesh= is checked once, at the first call
-        key = (mesh, spec.statics_of(args), parts, n, key_count, auto_signature(spec, dyn) if self._auto else None)
+        key = (
+            mesh,
+            axis,
+            spec.statics_of(args),
+            parts,
+            n,
+            key_count,
+            auto_signature(spec, dyn) if self._auto else None,
+        )
         try:
             plan = self._plans[key]
         except KeyError:
             plan = self._plans[key] = make_plan(spec, PlanKey(*key), dyn, n_valid)
-        except TypeError:
-            raise self._unhashable(PlanKey(*key)) from None
         return plan, dyn, n_valid, wrap
 
-    def _partition(self, dyn: tuple[Any, ...]) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
-        """Model containers: their arrays stay traced, their other leaves key the plan (``equinox`` style)."""
-        parts: list[Any] = [None] * len(dyn)
-        out = list(dyn)
-        for j in self._spec.container_idx:
-            out[j], parts[j] = partition(dyn[j])
-        return tuple(out), tuple(parts)
+    def _partition(self, args: tuple[Any, ...]) -> tuple[tuple[Any, ...], tuple[Any, ...]] | None:
+        """Model containers: their arrays stay traced, their other leaves key the program (``equinox`` style).
+
+        ``None`` when no argument holds a non-array leaf.
+        """
+        spec = self._spec
+        parts: list[Any] = [None] * len(spec.dyn_idx)
+        out = list(args)
+        found = False
+        for j in spec.container_idx:
+            i = spec.dyn_idx[j]
+            if _is_leaf_type(args[i]):
+                continue
+            out[i], parts[j] = partition(args[i])
+            found = found or parts[j] is not None
+        return (tuple(out), tuple(parts)) if found else None
 
     def _walker_sets(self, dyn: tuple[Any, ...], n_valid: Any) -> tuple[tuple[Any, ...], Any, int | None]:
         """Unwrap ``WalkerSet`` arguments: ``(walker data, the valid count, count to wrap outputs)``."""
@@ -232,19 +261,13 @@ class WalkerParallel:
             dyn = (*dyn[:j], data, *dyn[j + 1 :])
         if count is None:
             return dyn, n_valid, None
-        if n_valid is not None and (isinstance(n_valid, Tracer) or int(n_valid) != count):
-            raise CallError(
-                message(
-                    self._qualname,
-                    "n_valid= disagrees with the count the WalkerSet argument carries.",
-                    got=f"n_valid={n_valid!r}, WalkerSet.n_valid={count}",
-                    fix="drop n_valid= (the WalkerSet knows its count), or pass walkers.replace(n_valid=...).",
-                )
-            )
+        if n_valid is not None:
+            raise _n_valid_conflict(self._qualname, n_valid, count)
         return dyn, count, count
 
-    def _unhashable(self, key: PlanKey) -> CallError:
-        for p, value in zip(self._spec.static_params, key.statics):
+    def _unhashable(self, args: tuple[Any, ...], parts: Any) -> CallError | None:
+        """The error for a value that cannot key the compilation, or ``None`` when every value can."""
+        for p, value in zip(self._spec.static_params, self._spec.statics_of(args)):
             try:
                 hash(value)
             except TypeError:
@@ -257,10 +280,10 @@ class WalkerParallel:
                         "parameter Replicated if it holds arrays.",
                     )
                 )
-        for p, part in zip(self._spec.dyn_params, key.parts):
+        for p, part in zip(self._spec.dyn_params, parts or ()):
             if part is None:
                 continue
-            treedef, static = part
+            treedef, static = cast(tuple[Any, tuple[Any, ...]], part)
             paths = [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(
                 jax.tree_util.tree_unflatten(treedef, list(static)))[0]]  # fmt: skip
             for path, leaf in zip(paths, static):
@@ -276,107 +299,133 @@ class WalkerParallel:
                             "eqx.field(static=True)), or as arrays if they should be traced.",
                         )
                     )
-        return CallError(message(self._qualname, "the arguments cannot key the compilation (an unhashable value)."))
+        return None
 
     def __call__(self, *args: Any, n_valid: Any = None, **kwargs: Any) -> Any:
+        # The one call path: everything below is a few lookups, then one jax.jit of the kernel per mesh, whose
+        # C++ dispatch checks a repeated signature. The plan (checks, padding, chunking, the program) is made
+        # while that jit traces (_traced), so it runs once per signature, eager or inside any transform.
         mode = inside_kernel()
         if mode is not None:
             return self._nested_call(mode, args, kwargs)
-        fast = self._fast
-        if (
-            fast is not None
-            and not kwargs
-            and len(args) == self._n_params
-            and (n_valid is None or self._fast_n_valid(args, n_valid))
-            and (self._mesh is not None or not use_mesh_is_set())
-        ):
-            try:
-                return fast(*args) if n_valid is None else fast(*args, n_valid=n_valid)
-            except _NotFast:
-                self._fast = None
-            except Exception as err:
-                if getattr(err, _TRACED_ERROR, False) or isinstance(err, ShardvmcError):
-                    raise  # raised by the engine or the user's function while tracing: already explained
-                # Not traced: jax.jit refused the arguments (non-array leaves of a model container, an unhashable
-                # Static value, arrays on other devices). The plan path takes them or explains why not.
-                out = self._call(args, n_valid)
-                self._fast = None  # such arguments would be refused every time
-                return out
         if kwargs or len(args) != self._n_params:
             args = self._arguments(args, kwargs)
-        return self._call(args, n_valid)
-
-    def _first_fast_call(self, *args: Any, n_valid: Any = None) -> Any:
-        """Build the fast path's jit for the mesh of this call, and call it."""
-        mesh = resolve_mesh(self._mesh, self._options.axis_name, where=self._qualname)
-        self._fast_out = pinned_out_shardings(self._layout, mesh, self._options.axis_name)
-        self._fast = jax.jit(self._fast_body, static_argnums=self._spec.static_idx, out_shardings=self._fast_out)
-        return self._fast(*args) if n_valid is None else self._fast(*args, n_valid=n_valid)
-
-    def _fast_n_valid(self, args: tuple[Any, ...], n_valid: Any) -> bool:
-        """Whether ``n_valid`` may be traced by the fast path: a Python int, with walkers that are not WalkerSets.
-
-        Its range is checked here, by the plan path's own rule (``check_n_valid``), since the traced value
-        cannot be. Anything else (a WalkerSet, whose count ``n_valid`` must equal, an array count) takes the
-        plan path, which checks the concrete value and explains it.
-        """
-        if type(n_valid) is not int or not self._walker_args:
-            return False
-        for i in self._walker_args:
-            if type(args[i]) is WalkerSet:
-                return False
-        n = first_count(args[self._walker_args[0]])
-        if n is None:
-            return False
-        check_n_valid(self._qualname, n_valid, n)
-        return True
-
-    def _fast_body(self, *args: Any, n_valid: Any = None) -> Any:
-        """The fast path's traced function: the plan path, run inside ``jax.jit``."""
+        mesh, axis, enter = call_mesh(self._mesh, self._options.axis_name, self._qualname)
+        jitted = self._jits.get((mesh, axis)) or self._jit_for(mesh, axis)
+        if n_valid is not None:
+            n_valid = self._n_valid_argument(args, n_valid)
         try:
-            plan, dyn, n_valid, count = self._prepare(args, n_valid)
-            if (
-                plan.replicated_check == "values"
-                or plan.out_shardings != self._fast_out
-                or _compat.context_mesh_differs(plan.mesh)
-            ):
-                # Comparing Replicated outputs across devices raises only at a concrete call (under jax.jit it
-                # could only poison the outputs); a plan on another mesh may pin other output shardings than
-                # the fast path's jit has; a kernel's own mesh inside another jax.set_mesh is entered outside
-                # jax.jit. The plan path runs those.
-                raise _NotFast
-            return self._run(plan, dyn, n_valid, count)
+            if enter is None:
+                out = jitted(*args) if n_valid is None else jitted(*args, n_valid=n_valid)
+            else:
+                args = onto_mesh(enter, args)
+                with entered_mesh(enter, self._qualname):
+                    out = jitted(*args) if n_valid is None else jitted(*args, n_valid=n_valid)
+        except Exception as err:
+            out = self._recover(err, jitted, args, n_valid, mesh, enter)
+        if self._verify:
+            out, agree = out
+            if agree is not None and not isinstance(agree, Tracer):
+                raise_if_disagree(self._spec, agree)
+        return out
+
+    def clear_cache(self) -> None:
+        """Forget this kernel's plans and programs (``sv.clear_caches`` calls it for every kernel)."""
+        self._plans.clear()
+        self._jits.clear()
+
+    def _jit_for(self, mesh: Mesh, axis: str | tuple[str, ...]) -> Any:
+        """The kernel's ``jax.jit`` on ``mesh`` (one per mesh and walker axes; built at their first call)."""
+        shardings = pinned_out_shardings(self._layout, mesh, axis)
+        if shardings is not None and self._verify:
+            shardings = (shardings, None)
+        jitted = jax.jit(
+            functools.partial(self._traced, mesh, axis),
+            static_argnums=self._spec.static_idx,
+            static_argnames=("parts",),
+            out_shardings=shardings,
+        )
+        self._jits[(mesh, axis)] = jitted
+        return jitted
+
+    def _traced(
+        self, mesh: Mesh, axis: str | tuple[str, ...], *args: Any, n_valid: Any = None, parts: Any = None
+    ) -> Any:
+        """What the kernel's jit traces: the plan of the call, and its program."""
+        try:
+            if n_valid is not None:  # one type for every count (a caller's traced int is weakly typed)
+                n_valid = jnp.asarray(n_valid, jnp.int32)
+            plan, dyn, n_valid, count = self._prepare(args, n_valid, mesh, axis, parts)
+            out, agree = plan.traced_call(dyn, n_valid)
         except Exception as err:
             setattr(err, _TRACED_ERROR, True)
+            if not isinstance(err, ShardvmcError) and not raised_in_body(err):
+                err.add_note(f"shardvmc: raised while tracing walker-parallel kernel {self._qualname} on mesh "
+                             f"{dict(mesh.shape)}")  # fmt: skip
             raise
+        if count is not None:
+            out = self._wrap(out, count)
+        return (out, agree) if self._verify else out
 
-    def _call(self, args: tuple[Any, ...], n_valid: Any) -> Any:
-        """The plan path: look the plan up in Python and run its program."""
-        plan, dyn, n_valid, count = self._prepare(args, n_valid)
-        return self._run(plan, dyn, n_valid, count)
+    def _recover(
+        self, err: Exception, jitted: Any, args: tuple[Any, ...], n_valid: Any, mesh: Mesh, enter: Mesh | None
+    ) -> Any:
+        """A call that failed before or after its trace: explain it, or run the arguments jax.jit refused.
 
-    def _run(self, plan: Plan, dyn: tuple[Any, ...], n_valid: Any, count: int | None) -> Any:
-        try:
-            if _compat.context_mesh_differs(plan.mesh):
-                with jax.set_mesh(plan.mesh):
-                    out = plan.call(dyn, n_valid)
-            else:
-                out = plan.call(dyn, n_valid)
-        except Exception as err:
-            self._on_error(err, plan, dyn)
-            raise
-        return out if count is None else self._wrap(out, count)
-
-    def _on_error(self, err: Exception, plan: Plan, dyn: tuple[Any, ...]) -> None:
-        """Name the argument when JAX refused the arguments; leave the user's own errors as they are."""
-        if isinstance(err, ShardvmcError) or raised_in_body(err):
-            return
+        Errors raised while tracing (the engine's, the user's function's) surface as they are.
+        jax.jit refuses arguments before tracing: non-array leaves of model containers (then the
+        call runs with them split off, as ``equinox.filter_jit`` does), unhashable ``Static``
+        values; lowering refuses arrays on other devices than the mesh. Nothing compiles twice.
+        """
+        if getattr(err, _TRACED_ERROR, False) or isinstance(err, ShardvmcError):
+            raise err
+        split = self._partition(args) if isinstance(err, TypeError) else None
+        unhashable = self._unhashable(args, split[1] if split else None)
+        if unhashable is not None:
+            raise unhashable from None
+        if split is not None:
+            dyn_args, parts = split
+            with entered_mesh(enter, self._qualname):
+                return jitted(*dyn_args, parts=parts) if n_valid is None else jitted(*dyn_args, n_valid=n_valid,
+                                                                                   parts=parts)  # fmt: skip
         if isinstance(err, (TypeError, ValueError)):
-            error = concrete_argument_error(self._qualname, self._spec.dyn_params, dyn, plan.mesh)
+            error = concrete_argument_error(self._qualname, self._spec.dyn_params, self._spec.dyn_of(args), mesh)
             if error is not None:
+                # Walkers that another kernel left on its mesh, with no mesh chosen for this one: it runs there.
+                home = mesh_of_arrays([args[i] for i in self._walker_args], self._options.axis_name)
+                if self._mesh is None and home is not None and home != mesh:
+                    return self._call_on(home, args, n_valid)
                 raise error from err
         err.add_note(f"shardvmc: raised while running walker-parallel kernel {self._qualname} on mesh "
-                     f"{dict(plan.mesh.shape)} with {plan.n_walkers} walkers")  # fmt: skip
+                     f"{dict(mesh.shape)}")  # fmt: skip
+        raise err
+
+    def _call_on(self, mesh: Mesh, args: tuple[Any, ...], n_valid: Any) -> Any:
+        """The call on ``mesh`` (where its walkers live), its other arrays moved there."""
+        mesh = _compat.auto_axes_mesh(mesh)
+        jitted = self._jits.get((mesh, self._options.axis_name)) or self._jit_for(mesh, self._options.axis_name)
+        args = onto_mesh(mesh, args)
+        return jitted(*args) if n_valid is None else jitted(*args, n_valid=n_valid)
+
+    def _n_valid_argument(self, args: tuple[Any, ...], n_valid: Any) -> Any:
+        """``n_valid=`` as the program takes it: checked and traced (an int32 scalar), or dropped for a WalkerSet.
+
+        A concrete count is checked here, against the walker count of the arguments; a traced
+        one (inside the caller's jit) is taken as it is.
+        """
+        if isinstance(n_valid, Tracer):
+            return n_valid
+        walkers = [args[i] for i in self._walker_args]
+        sets = [w for w in walkers if type(w) is WalkerSet]
+        if sets:
+            count = sets[0].n_valid
+            if isinstance(n_valid, (int, np.integer)) and int(n_valid) == count:
+                return None  # the set carries the same count
+            raise _n_valid_conflict(self._qualname, n_valid, count)
+        n = first_count(walkers[0]) if walkers else None
+        # An unknown count (the walkers are abstract, say) leaves the range to the program's own masking.
+        check_n_valid(self._qualname, n_valid, sys.maxsize if n is None else n)
+        return np.int32(int(n_valid))
 
     def _wrap(self, out: Any, count: int) -> Any:
         """Per-walker outputs as ``WalkerSet``s carrying ``count``."""
@@ -398,7 +447,7 @@ class WalkerParallel:
                 jax.tree_util.tree_map(lambda x: jnp.expand_dims(x, 0), a) if w else a
                 for a, w in zip(args, walker_axis)
             ]
-            return jax.tree_util.tree_map(lambda x: x[0], self.__wrapped__(*block))
+            return jax.tree_util.tree_map(lambda x: x[0], call_with(self.__wrapped__, self._layout, tuple(block)))
         # a per-walker function called with a block: map it over the block's walkers
         static = [p.kind is Kind.STATIC for p in self._layout.params]
         dyn = [a for a, s in zip(args, static) if not s]
@@ -406,17 +455,25 @@ class WalkerParallel:
 
         def one(*d: Any) -> Any:
             it, st = iter(d), iter(a for a, s in zip(args, static) if s)
-            return self.__wrapped__(*(next(st) if s else next(it) for s in static))
+            return call_with(self.__wrapped__, self._layout, tuple(next(st) if s else next(it) for s in static))
 
         return jax.vmap(one, in_axes=in_axes)(*dyn)
 
     def plan(self, *args: Any, n_valid: Any = None, **kwargs: Any) -> tuple[Plan, tuple[Any, ...], Any]:
         """The plan these arguments run with, its traced arguments and traced ``n_valid`` (for ``explain``)."""
-        plan, dyn, n_valid, _ = self._prepare(self._arguments(args, kwargs), n_valid)
+        args = self._arguments(args, kwargs)
+        mesh, axis, _ = call_mesh(self._mesh, self._options.axis_name, self._qualname)
+        if n_valid is not None:
+            n_valid = self._n_valid_argument(args, n_valid)
+        split = self._partition(args)
+        parts = None
+        if split is not None:
+            args, parts = split
+        plan, dyn, n_valid, _ = self._prepare(args, n_valid, mesh, axis, parts)
         return plan, dyn, n_valid
 
     def lower(self, *args: Any, n_valid: Any = None, **kwargs: Any) -> jax.stages.Lowered:
-        """Lower the kernel for these arguments, like ``jax.jit(f).lower``.
+        """Lower the kernel for these arguments, like ``jax.jit(f).lower`` (``jax.ShapeDtypeStruct``s work too).
 
         Example:
             >>> import jax.numpy as jnp, shardvmc as sv
@@ -426,15 +483,17 @@ class WalkerParallel:
             >>> "all-reduce" in square.lower(jnp.ones(8)).compile().as_text()
             True
         """
-        return self._lower(*self.plan(*args, n_valid=n_valid, **kwargs))
-
-    def _lower(self, plan: Plan, dyn: tuple[Any, ...], n_valid: Any) -> jax.stages.Lowered:
-        try:
-            with jax.set_mesh(plan.mesh) if _compat.context_mesh_differs(plan.mesh) else contextlib.nullcontext():
-                return plan.lower(dyn, n_valid)
-        except Exception as err:
-            self._on_error(err, plan, dyn)
-            raise
+        args = self._arguments(args, kwargs)
+        mesh, axis, enter = call_mesh(self._mesh, self._options.axis_name, self._qualname)
+        jitted = self._jits.get((mesh, axis)) or self._jit_for(mesh, axis)
+        if n_valid is not None:
+            n_valid = self._n_valid_argument(args, n_valid)
+        split = self._partition(args)
+        kw: dict[str, Any] = {} if n_valid is None else {"n_valid": n_valid}
+        if split is not None:
+            args, kw["parts"] = split
+        with entered_mesh(enter, self._qualname):
+            return jitted.lower(*args, **kw)
 
     def explain(self, *args: Any, n_valid: Any = None, **kwargs: Any) -> Any:
         """What the kernel will do with these arguments, as text (``str(...)``) and as data.
@@ -465,7 +524,10 @@ class WalkerParallel:
             )
         args = self._arguments(args, kwargs)
         plan, dyn, n_valid = self.plan(*args, n_valid=n_valid)
-        return explain(plan, self._lower(plan, dyn, n_valid), args, dyn, n_valid, warn_key=self)
+        _, _, enter = call_mesh(self._mesh, self._options.axis_name, self._qualname)
+        with entered_mesh(enter, self._qualname):
+            lowered = plan.lower(dyn, n_valid)
+        return explain(plan, lowered, args, dyn, n_valid, warn_key=self)
 
     def __get__(self, instance: Any, owner: Any = None) -> Any:
         if instance is None:

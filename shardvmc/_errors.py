@@ -7,7 +7,15 @@ from typing import Any
 import jax
 import numpy as np
 
-__all__ = ["CallError", "DecorationError", "ShardvmcError", "UnhashableStaticError", "describe", "message"]
+__all__ = [
+    "ArgumentsError",
+    "CallError",
+    "DecorationError",
+    "ShardvmcError",
+    "UnhashableStaticError",
+    "describe",
+    "message",
+]
 
 
 class ShardvmcError(Exception):
@@ -29,6 +37,10 @@ class CallError(ShardvmcError, ValueError):
     keys that are not keys, meshes without the walker axis, and walker counts that a
     mesh cannot split evenly.
     """
+
+
+class ArgumentsError(CallError, TypeError):
+    """The arguments of a call do not bind to the function's parameters (a missing or unknown one)."""
 
 
 class UnhashableStaticError(CallError, TypeError):

@@ -9,7 +9,6 @@ which no marker asks for, warns :class:`CommunicationWarning` once per kernel.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 import re
@@ -22,7 +21,6 @@ import numpy as np
 from jax.core import Tracer
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from . import _compat
 from ._errors import CallError, message
 from ._kernel import spec as spec_of
 from ._markers import Kind
@@ -245,7 +243,7 @@ def _placed(leaf: Any) -> PartitionSpec | None:
 
 def _parameters(plan: Plan, args: tuple[Any, ...], dyn: tuple[Any, ...]) -> tuple[Entry, ...]:
     spec = plan.spec
-    axis = spec.options.axis_name
+    axis = plan.key.axis
     values = dict(zip(spec.dyn_idx, dyn))
     values.update(zip(spec.static_idx, spec.statics_of(args)))
     entries = []
@@ -262,7 +260,7 @@ def _parameters(plan: Plan, args: tuple[Any, ...], dyn: tuple[Any, ...]) -> tupl
 
 
 def _outputs(plan: Plan, out_info: Any, pads_inside: bool) -> tuple[Entry, ...]:
-    axis = plan.spec.options.axis_name
+    axis = plan.key.axis
     output = plan.spec.layout.output
     if plan.replicated_check == "values":
         out_info = out_info[0]  # the program's last output is the check of its Replicated outputs
@@ -289,7 +287,7 @@ def _cause(plan: Plan, mesh: Mesh, dyn: tuple[Any, ...], n: int, size: int) -> t
             f"keep a padded walker set: `walkers = sv.WalkerSet(*sv.pad_walker(walkers, sv.pad_n_walkers({n}, "
             f"{size})))`, or initialise with sv.initialize_walkers_sharded.",
         )
-    axis = plan.spec.options.axis_name
+    axis = plan.key.axis
     params = plan.spec.dyn_params
     sharded, misplaced = [], []
     for p, arg in zip(params, dyn):
@@ -345,8 +343,7 @@ def explain(
         [('alpha', 'P()', ()), ('r', "P('walkers',)", (16, 3))]
     """
     mesh = plan.mesh
-    with jax.set_mesh(mesh) if _compat.context_mesh_differs(mesh) else contextlib.nullcontext():
-        compiled = lowered.compile()
+    compiled = lowered.compile()
     spec = plan.spec
     size, n, n_pad = plan.n_shards, plan.n_walkers, plan.n_padded
     text = compiled.as_text()
@@ -366,7 +363,7 @@ def explain(
         kernel=spec.qualname,
         mesh_shape={str(k): int(v) for k, v in mesh.shape.items()},
         device_ids=tuple(int(d.id) for d in mesh.devices.flat),
-        walker_axis=spec.options.axis_name,
+        walker_axis=plan.key.axis,
         n_devices=size,
         parameters=_parameters(plan, args, dyn),
         outputs=_outputs(plan, lowered.out_info, n != n_pad),

@@ -36,6 +36,7 @@ __all__ = [
     "Options",
     "PaddingWarning",
     "build",
+    "call_with",
     "check_inputs",
     "combine",
     "concrete_argument_error",
@@ -100,8 +101,8 @@ _SCALARS = (int, float, complex, bool)
 
 
 def _is_array(leaf: Any) -> bool:
-    """Whether JAX can trace ``leaf`` (the equinox filter convention, Python numbers included)."""
-    return isinstance(leaf, (jax.Array, Tracer, _SCALARS)) or hasattr(leaf, "__array__")
+    """Whether JAX can trace ``leaf`` (the equinox filter convention, Python numbers and abstract arrays included)."""
+    return isinstance(leaf, (jax.Array, Tracer, jax.ShapeDtypeStruct, _SCALARS)) or hasattr(leaf, "__array__")
 
 
 def partition(tree: Any) -> tuple[Any, tuple[Any, tuple[Any, ...]] | None]:
@@ -283,6 +284,15 @@ def _check_key(qualname: str, name: str, key: Any) -> None:
             fix="pass ONE key; shardvmc derives walker i's key as fold_in(key, i).",
         )
     )
+
+
+def call_with(fn: Callable[..., Any], layout: Layout, args: tuple[Any, ...]) -> Any:
+    """Call ``fn`` with its arguments in parameter order, keyword-only ones as keywords."""
+    kw_only = layout.keyword_only
+    if not kw_only:
+        return fn(*args)
+    n = len(args) - len(kw_only)
+    return fn(*args[:n], **dict(zip(kw_only, args[n:])))
 
 
 def _output_kinds(layout: Layout, out: Any, qualname: str) -> tuple[Kind, ...]:
@@ -505,7 +515,7 @@ def build(
         it_dyn, it_static = iter(dyn), iter(statics)
         args = tuple(next(it_static) if is_static else next(it_dyn) for is_static in order)
         try:
-            out = fn(*args)
+            out = call_with(fn, layout, args)
         except Exception as err:
             _note_body_error(err, qualname, layout.params, args)
             raise

@@ -115,6 +115,16 @@ PATCHED = _apply_fix()
 
 
 # ----------------------------------------------------------------------------- the curvature estimator
+#
+# What: kfac-jax 0.0.8 keeps its curvature estimator in ``Optimizer._estimator`` (its ``blocks``,
+# ``params_block_index``, each block's ``_layer_tag_eq``, the traced ``jaxpr``, ``sync``) and its
+# per-step decisions in ``Optimizer._should_update_estimate_curvature``/``_should_update_damping``.
+# Why: the step's compilation key (``curvature_flags``), the one averaged estimate of a replicated
+# state (``sync_estimator``) and the warning about hidden layers (``parameter_blocks``,
+# ``runs_shard_map``) need them, and kfac-jax offers no public reading of either.
+# Tested by tests/test_kfac.py (the step against FermiNet's pmap step, the averaged estimate, the
+# DiagonalBlockWarning tests, which read the blocks), which fail when these move.
+# When it can go: when kfac-jax exposes the estimator and these decisions publicly; then read those.
 
 
 def _estimator(optimizer: kfac_jax.Optimizer) -> Any:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import inspect
 import typing
 from collections.abc import Callable
@@ -85,6 +86,11 @@ class Layout:
     params: tuple[Param, ...]
     output: Kind | tuple[Kind, ...]
     signature: inspect.Signature
+
+    @functools.cached_property
+    def keyword_only(self) -> tuple[str, ...]:
+        """The names of the keyword-only parameters (the last ones, in order)."""
+        return tuple(n for n, p in self.signature.parameters.items() if p.kind is p.KEYWORD_ONLY)
 
 
 def _markers_of(hint: Any) -> list[Kind]:

@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
+from ._caches import bounded
 from ._decorator import walker_parallel
 from ._errors import CallError, message
 from ._markers import PerWalker, Replicated
@@ -257,7 +258,7 @@ def _blocks_block(
     return _estimate(block_mean, block_m2, (partial_mean, partial_m2), counts[0], counts[1], counts[2])
 
 
-@functools.cache
+@bounded(32)
 def _kernel(block: Any, mesh: Mesh | None, axis_name: str | tuple[str, ...]) -> Any:
     return walker_parallel(block, mesh=mesh, axis_name=axis_name, batched=True)
 

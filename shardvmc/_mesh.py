@@ -10,6 +10,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.core import Tracer
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from . import _compat
@@ -21,8 +22,13 @@ __all__ = [
     "get_walker_sharding",
     "is_multi_gpu",
     "n_devices",
+    "call_mesh",
+    "entered_mesh",
+    "mesh_of_arrays",
+    "onto_mesh",
     "resolve_mesh",
     "use_mesh",
+    "use_mesh_is_set",
 ]
 
 _CURRENT_MESH: contextvars.ContextVar[Mesh | None] = contextvars.ContextVar("shardvmc_mesh", default=None)
@@ -103,6 +109,122 @@ def resolve_mesh(mesh: Mesh | None, axis_name: str | tuple[str, ...] = "walkers"
             )
         )
     return mesh
+
+
+_CallMesh = tuple[Mesh, "str | tuple[str, ...]", "Mesh | None"]
+_OWN_MESHES: dict[tuple[Mesh, Any], _CallMesh] = {}  # a kernel's checked mesh, with no context mesh set
+
+
+def call_mesh(mesh: Mesh | None, axis_name: str | tuple[str, ...], where: str) -> _CallMesh:
+    """Where a kernel call computes: ``(mesh, walker axes, mesh to enter around the call or None)``.
+
+    JAX types every array of a traced computation by the mesh of its context (``jax.set_mesh``,
+    ``jax.sharding.set_mesh``), and ``shard_map`` refuses a mesh other than the context's.
+    So a call runs on:
+
+    - the context mesh when one is set and the kernel has no mesh of its own (walkers split
+      over the kernel's axes when the context mesh has them, else over all of its axes, as
+      on a mesh set by another library, such as NetKet's ``("S",)``);
+    - the context mesh when the kernel's own mesh (``mesh=``, ``sv.use_mesh``) spans the same
+      devices in the same order: the walkers land on the same devices, split over all of the
+      context mesh's axes;
+    - the kernel's own mesh otherwise, entered with ``jax.set_mesh`` around the call (JAX
+      allows that outside a trace only; inside one, one computation runs on one set of
+      devices: the kernel raises a ``CallError`` that says so);
+    - with no context mesh, the kernel's mesh (or all devices), with Auto axes: an Explicit
+      mesh's types would need a mesh context for the cotangents of an eager ``jax.grad``.
+
+    Called on every kernel call: the common cases are dictionary lookups.
+    """
+    chosen = mesh if mesh is not None else _CURRENT_MESH.get()
+    context = _compat.get_concrete_mesh()
+    if context is None or context.empty:
+        if chosen is None:
+            return _default_mesh(axis_name), axis_name, None
+        try:
+            return _OWN_MESHES[chosen, axis_name]
+        except (KeyError, TypeError):  # TypeError: no mesh at all (a list of devices, say): explained below
+            checked = resolve_mesh(chosen, axis_name, where=where)
+            if len(_OWN_MESHES) > 64:  # meshes are few; a program that builds many keeps this bounded
+                _OWN_MESHES.clear()
+            found = _OWN_MESHES[chosen, axis_name] = (_compat.auto_axes_mesh(checked), axis_name, None)
+            return found
+    names = (axis_name,) if isinstance(axis_name, str) else axis_name
+    if chosen is None:
+        if all(name in context.shape for name in names):
+            return context, axis_name, None
+        return context, tuple(context.axis_names), None
+    chosen = resolve_mesh(chosen, axis_name, where=where)
+    if chosen == context:
+        return context, axis_name, None
+    if _compat.axis_size(chosen, axis_name) == chosen.size and tuple(chosen.devices.flat) == tuple(
+        context.devices.flat
+    ):
+        return context, tuple(context.axis_names), None
+    return chosen, axis_name, chosen
+
+
+def mesh_of_arrays(tree: Any, axis_name: str | tuple[str, ...]) -> Mesh | None:
+    """The mesh the arrays of ``tree`` live on, when no mesh is chosen otherwise (``use_mesh``, ``jax.set_mesh``).
+
+    For functions that take arrays another kernel made (J, walkers): they run where those
+    live, instead of moving them to all devices. ``None`` when nothing is to be read (a
+    tracer, an array without a mesh, a chosen mesh, a mesh without the walker axes).
+    """
+    if _CURRENT_MESH.get() is not None or _compat.context_mesh() is not None:
+        return None
+    leaves = jax.tree_util.tree_leaves(tree)
+    if not leaves or not isinstance(leaves[0], jax.Array) or isinstance(leaves[0], Tracer):
+        return None
+    sharding = leaves[0].sharding
+    if not isinstance(sharding, NamedSharding) or not leaves[0].committed:
+        return None
+    names = (axis_name,) if isinstance(axis_name, str) else axis_name
+    mesh = sharding.mesh
+    return mesh if isinstance(mesh, Mesh) and all(n in mesh.shape for n in names) else None
+
+
+def onto_mesh(mesh: Mesh, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """Arrays committed to other devices than ``mesh``'s (made under the caller's mesh), replicated onto it.
+
+    Only for a kernel whose own mesh is not the caller's mesh context (see ``_mesh.call_mesh``);
+    the kernel shards them as its markers say.
+    """
+    devices = set(mesh.devices.flat)
+    target = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+    def move(x: Any) -> Any:
+        if isinstance(x, jax.Array) and not isinstance(x, Tracer) and x.sharding.device_set != devices:
+            return jax.device_put(x, target)
+        return x
+
+    return tuple(jax.tree_util.tree_map(move, a) for a in args)
+
+
+@contextlib.contextmanager
+def entered_mesh(mesh: Mesh | None, qualname: str) -> Iterator[None]:
+    """``jax.set_mesh(mesh)`` around a call of a kernel whose own mesh is not the caller's (``None``: nothing)."""
+    if mesh is None:
+        yield
+        return
+    try:
+        context = jax.set_mesh(mesh)
+    except ValueError:
+        current = _compat.context_mesh()
+        raise CallError(
+            message(
+                qualname,
+                "the kernel's own mesh spans other devices than the mesh of the surrounding JAX transformation "
+                "(jax.set_mesh or jax.sharding.set_mesh), and one traced computation runs on one set of devices.",
+                got=f"kernel mesh {dict(mesh.shape)} on devices {[d.id for d in mesh.devices.flat]}, "
+                f"context mesh {dict(current.shape) if current is not None else {}} on devices "
+                f"{[d.id for d in current.devices.flat] if current is not None else []}",
+                fix="call the kernel outside jax.jit/grad/vmap there, give it mesh= of the context mesh's devices "
+                "(or no mesh=, to run on the context mesh), or trace the step inside jax.set_mesh(kernel mesh).",
+            )
+        ) from None
+    with context:
+        yield
 
 
 def use_mesh_is_set() -> bool:

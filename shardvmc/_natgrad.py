@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -24,9 +24,10 @@ from jax.core import Tracer
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from . import _compat
+from ._caches import bounded
 from ._errors import CallError, describe, message
 from ._memory import compiled_memory, device_memory_budget, format_bytes
-from ._mesh import resolve_mesh
+from ._mesh import call_mesh, entered_mesh, mesh_of_arrays, onto_mesh
 from ._placement import pad_n_walkers, pad_walker
 from ._reductions import jtj, jtv, walker_mean
 from ._stats import local_indices, masked, rmatvec
@@ -275,7 +276,7 @@ def _block_size(p: int, chunks: int, d: int) -> int:
     return -(-per_chunk // d) * d
 
 
-@functools.cache
+@bounded(32)
 def _program(cfg: _Config, mesh: Mesh, axis: str, treedef: Any) -> Any:
     """The jitted solver: ``(leaves, e, count, scalars) -> (flat update, iterations, residual)``."""
     d = _compat.axis_size(mesh, axis)
@@ -288,7 +289,7 @@ def _program(cfg: _Config, mesh: Mesh, axis: str, treedef: Any) -> Any:
         j = j.reshape(n, -1)
         if n % d:
             (j, e), _ = pad_walker((j, e), pad_n_walkers(n, d))
-        j, e = (jax.lax.with_sharding_constraint(x, walker) for x in (j, e))
+        j, e = (_compat.constrain(x, walker) for x in (j, e))
         j, e = _rows(j, e, cfg.real)
         mu, emean = walker_mean((j, e), None if cfg.all_valid else count, mesh=mesh, axis_name=axis)
         scale = jax.lax.rsqrt(count.astype(j.real.dtype))
@@ -326,7 +327,7 @@ def estimate_bytes(method: str, n: int, p: int, d: int, itemsize: int, *, rows: 
     raise ValueError(method)
 
 
-@functools.cache
+@bounded(32)
 def _compile(cfg: _Config, mesh: Mesh, axis: str, treedef: Any, signature: tuple[Any, ...]) -> Any:
     """Lower and compile the solver for abstract inputs: ``(compiled, CompiledMemory)``. Nothing runs."""
     leaf_avals, e_aval, real_dtype, p, out_dtype = signature
@@ -469,9 +470,20 @@ def natural_gradient(
         >>> bool(jnp.allclose(update, dense, atol=1e-3))
         True
     """
-    mesh = resolve_mesh(mesh, axis_name, where=_WHERE)
-    d = _compat.axis_size(mesh, axis_name)
     J, n_j = split_walker_set(J)
+    mesh, axes, enter = call_mesh(_mesh_of(J, mesh, axis_name), axis_name, _WHERE)
+    # Inside another library's mesh the walkers are split over all of its axes, a tuple that JAX's
+    # collectives take as one axis name.
+    axis_name = cast(str, axes)
+    if enter is not None:
+        with entered_mesh(enter, _WHERE):
+            J, e = onto_mesh(enter, (J, e))
+            return natural_gradient(J, e, damping=damping, n_valid=n_valid, method=method, solver=solver,
+                                    maxiter=maxiter, tol=tol, rcond=rcond, precondition=precondition,
+                                    real_params=real_params,
+                                    momentum=momentum, previous=previous, chunks=chunks, memory_budget=memory_budget,
+                                    mesh=enter, axis_name=axis_name)  # fmt: skip
+    d = _compat.axis_size(mesh, axis_name)
     e, n_e = split_walker_set(e)
     n_valid = _agree_n_valid(n_valid, n_j, n_e)
     if method != "auto" and method not in METHODS:
@@ -584,6 +596,13 @@ def natural_gradient(
         residual=residual,
     )
     return update, info
+
+
+def _mesh_of(J: Any, mesh: Mesh | None, axis_name: str) -> Mesh | None:
+    """The mesh to solve on: ``mesh``, else the one J lives on when nothing else names one (the solver runs there)."""
+    if mesh is not None:
+        return mesh
+    return mesh_of_arrays(J, axis_name)
 
 
 def _label(method: str, chunks: int) -> str:

@@ -13,7 +13,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from . import _compat
 from ._errors import CallError, message
-from ._mesh import get_replicated_sharding, get_walker_sharding, resolve_mesh
+from ._mesh import get_replicated_sharding, get_walker_sharding, resolve_mesh, use_mesh_is_set
 from ._walkerset import split_walker_set, walker_count
 
 __all__ = [
@@ -91,7 +91,7 @@ def shard_walker(tree: Any, mesh: Mesh | None = None, axis_name: str = "walkers"
             mesh does not divide the walker count.
 
     Example:
-        >>> import numpy as np, shardvmc as sv
+        >>> import jax, numpy as np, shardvmc as sv
         >>> mesh = sv.create_mesh(jax.devices()[:2])
         >>> x = sv.shard_walker({"r": np.zeros((4, 2, 3)), "step": 0}, mesh)
         >>> x["r"].sharding.spec, x["step"].sharding.spec
@@ -116,7 +116,8 @@ def shard_walker(tree: Any, mesh: Mesh | None = None, axis_name: str = "walkers"
 def replicate(tree: Any, mesh: Mesh | None = None) -> Any:
     """Place a full copy of every leaf of ``tree`` on every device of the mesh.
 
-    In a multi-process run every process must pass the same values.
+    Any mesh will do, with or without a ``walkers`` axis: a replicated leaf is split
+    over no axis. In a multi-process run every process must pass the same values.
 
     Example:
         >>> import shardvmc as sv
@@ -124,7 +125,9 @@ def replicate(tree: Any, mesh: Mesh | None = None) -> Any:
         >>> p["alpha"].sharding.spec
         P()
     """
-    mesh = resolve_mesh(mesh, mesh.axis_names[0] if mesh is not None else "walkers", where="replicate")
+    # No axis is required of a given or current mesh; only the default mesh (no mesh anywhere) needs its axis name.
+    anywhere = mesh is not None or use_mesh_is_set() or _compat.context_mesh() is not None
+    mesh = resolve_mesh(mesh, () if anywhere else "walkers", where="replicate")
     return _place_tree(tree, None, get_replicated_sharding(mesh), "replicate")
 
 
@@ -211,7 +214,7 @@ def assemble_sharded(local_pytrees: Sequence[Any], mesh: Mesh | None = None, axi
         replicated (taken from the first local pytree).
 
     Example:
-        >>> import numpy as np, shardvmc as sv
+        >>> import jax, numpy as np, shardvmc as sv
         >>> mesh = sv.create_mesh(jax.devices()[:2])
         >>> x = sv.assemble_sharded([np.zeros((2, 3)), np.ones((2, 3))], mesh)
         >>> x.shape, x.sharding.spec

@@ -10,26 +10,23 @@ nothing else is recomputed per call.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import operator
-import re
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.core import Tracer
 from jax.sharding import Mesh
 
-from . import _compat
+from . import _compat, _internals
 from ._errors import CallError, message
 from ._kernel import TRACED, Options, build, output_shardings, signature_of
 from ._markers import Kind, Layout, Param
 from ._placement import pad_n_walkers
 
-__all__ = ["KernelSpec", "Plan", "PlanKey", "make_plan"]
+__all__ = ["KernelSpec", "Plan", "PlanKey", "make_plan", "options_of", "pinned_out_shardings", "raise_if_disagree"]
 
 
 def _picker(indices: tuple[int, ...]) -> Callable[[tuple[Any, ...]], tuple[Any, ...]]:
@@ -103,6 +100,7 @@ class PlanKey(NamedTuple):
     """What makes two calls of one kernel need different programs."""
 
     mesh: Mesh
+    axis: str | tuple[str, ...]  # the walker axes of the call on ``mesh`` (see ``_mesh.call_mesh``)
     statics: tuple[Any, ...]
     parts: tuple[Any, ...]  # per traced parameter: the compiled-in part of a model container, or None
     n_walkers: int
@@ -118,15 +116,13 @@ class Plan:
         key: the call signature.
         batch_size: the chunk each device runs with (``None``: all walkers at once).
         run: the jitted program ``run(dynamic_args, n_valid)``.
-        call: what a call runs, ``call(dynamic_args, n_valid)``: ``run``, or ``run`` and the
-            comparison of the ``Replicated`` outputs' values.
         replicated_check: how ``Replicated`` outputs are verified: ``"none"`` (there
             are none, or ``checks=False``), ``"types"`` (JAX proved them replicated at
             trace time) or ``"values"`` (the program also compares their bits across
             devices, read at the first concrete call).
     """
 
-    __slots__ = ("batch_size", "call", "key", "mesh", "out_shardings", "replicated_check", "run", "spec", "_unchecked")
+    __slots__ = ("batch_size", "key", "mesh", "out_shardings", "replicated_check", "run", "spec")
 
     def __init__(
         self,
@@ -146,14 +142,11 @@ class Plan:
         self.run = run
         self.batch_size = batch_size
         self.replicated_check = replicated_check
-        self._unchecked = replicated_check == "values"
-        # What a call runs: the program itself, or, when the values are compared, the method that reads them.
-        self.call: Callable[..., Any] = self.run if replicated_check != "values" else self._checked_call
 
     @property
     def n_shards(self) -> int:
         """The number of devices along the walker axis: the shards the walkers are split into."""
-        return _compat.axis_size(self.key.mesh, self.spec.options.axis_name)
+        return _compat.axis_size(self.key.mesh, self.key.axis)
 
     @property
     def n_walkers(self) -> int:
@@ -171,27 +164,32 @@ class Plan:
         count = self.key.valid_count
         return self.key.n_walkers if count is None else None if count == TRACED else int(count)
 
-    def _checked_call(self, dyn: tuple[Any, ...], n_valid: Any) -> Any:
+    def traced_call(self, dyn: tuple[Any, ...], n_valid: Any) -> tuple[Any, Any]:
+        """Run the program inside the call's trace: ``(outputs, agree)``.
+
+        ``agree`` is ``None`` unless the ``Replicated`` outputs' values are compared
+        (``replicated_check == "values"``): then it says, per such output, whether every
+        device holds the same bits, and the outputs of a disagreeing call are poisoned, NaN
+        (the lowest integer for integers). No error can be raised from inside a program (a
+        host callback that raises leaves the other devices waiting in their all-reduce): the
+        kernel raises from ``agree`` at a concrete call.
+        """
+        if self.replicated_check != "values":
+            return self.run(dyn, n_valid), None
         out, agree = self.run(dyn, n_valid)
-        if isinstance(agree, Tracer):
-            # Inside another jit no error can be raised from the program (a host callback that raises leaves
-            # the other devices waiting in their all-reduce): the outputs of a call whose Replicated outputs
-            # differ between devices are poisoned instead, NaN (the lowest integer for integers).
-            ok = jnp.all(agree)
-            return jax.tree_util.tree_map(lambda o: jnp.where(ok, o, _poison(o)) if _numeric(o) else o, out)
-        if self._unchecked:
-            self._raise_if_disagree(np.asarray(agree))
-            self._unchecked = False
-        return out
+        ok = jnp.all(agree)
+        return jax.tree_util.tree_map(lambda o: jnp.where(ok, o, _poison(o)) if _numeric(o) else o, out), agree
 
     def lower(self, dyn: tuple[Any, ...], n_valid: Any) -> jax.stages.Lowered:
         """``jax.jit(...).lower`` of the program."""
         return self.run.lower(dyn, n_valid)
 
-    def _raise_if_disagree(self, agree: Any) -> None:
-        bad = [i for i, ok in enumerate(np.asarray(agree)) if not ok]
-        if bad:
-            raise _device_local_error(self.spec, _replicated_positions(self.spec.layout, bad))
+
+def raise_if_disagree(spec: KernelSpec, agree: Any) -> None:
+    """Raise the ``CallError`` of a call whose ``Replicated`` outputs differ between devices (``agree`` concrete)."""
+    bad = [i for i, ok in enumerate(np.asarray(agree)) if not ok]
+    if bad:
+        raise _device_local_error(spec, _replicated_positions(spec.layout, bad))
 
 
 def _numeric(x: Any) -> bool:
@@ -229,9 +227,6 @@ def _abstract(tree: Any) -> Any:
     return jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jax.typeof(x).dtype), tree)
 
 
-_NOT_REPLICATED = re.compile(r"out_specs\[(\d+)\] is P\(\)")
-
-
 def _prove_replicated(spec: KernelSpec, key: PlanKey, dyn: tuple[Any, ...], n_valid: Any) -> str:
     """Ask JAX, by tracing once with its varying-axes check, whether the Replicated outputs are replicated.
 
@@ -240,25 +235,21 @@ def _prove_replicated(spec: KernelSpec, key: PlanKey, dyn: tuple[Any, ...], n_va
     ``CallError`` naming the output when JAX finds one that varies over the devices.
     """
     checked = build(
-        spec.fn, spec.layout, key.statics, key.mesh, spec.options, spec.qualname,
+        spec.fn, spec.layout, key.statics, key.mesh, options_of(spec, key), spec.qualname,
         n=key.n_walkers, count=key.valid_count, parts=key.parts, check_vma=True,
     )  # fmt: skip
-    try:
-        with jax.set_mesh(key.mesh) if _compat.context_mesh_differs(key.mesh) else contextlib.nullcontext():
-            jax.eval_shape(checked, _abstract(dyn), None if n_valid is None else _abstract(n_valid))
-    except ValueError as err:
-        found = _NOT_REPLICATED.findall(str(err))
-        if "can't be statically inferred" not in str(err) or not found:
-            return "values"
-        kinds = spec.layout.output if isinstance(spec.layout.output, tuple) else (spec.layout.output,)
-        positions = [int(i) for i in found if kinds[int(i)] is Kind.REPLICATED]
-        if not positions:
-            return "values"
-        raise _device_local_error(spec, [None] if isinstance(spec.layout.output, Kind) else positions) from None
-    except (Exception, SystemExit):  # the body does not trace under the check; the values are compared instead
-        # (folx's sparse Laplacian even calls exit() when JAX's check rejects its jaxpr)
+    verdict = _internals.vma_check_verdict(
+        lambda: jax.eval_shape(checked, _abstract(dyn), None if n_valid is None else _abstract(n_valid))
+    )
+    if verdict is None:  # the body does not trace under the check; the values are compared instead
         return "values"
-    return "types"
+    if not verdict:
+        return "types"
+    kinds = spec.layout.output if isinstance(spec.layout.output, tuple) else (spec.layout.output,)
+    positions = [i for i in verdict if kinds[i] is Kind.REPLICATED]
+    if not positions:
+        return "values"
+    raise _device_local_error(spec, [None] if isinstance(spec.layout.output, Kind) else positions)
 
 
 def _check_statics(spec: KernelSpec, statics: tuple[Any, ...]) -> None:
@@ -289,10 +280,15 @@ def pinned_out_shardings(layout: Layout, mesh: Mesh, axis_name: str | tuple[str,
     return output_shardings(layout, mesh, axis_name) if mesh.size == 1 else None
 
 
+def options_of(spec: KernelSpec, key: PlanKey) -> Options:
+    """The kernel's options with the walker axes of the call."""
+    return spec.options if key.axis == spec.options.axis_name else dataclasses.replace(spec.options, axis_name=key.axis)
+
+
 def make_plan(spec: KernelSpec, key: PlanKey, dyn: tuple[Any, ...], n_valid: Any) -> Plan:
     """Build the plan of ``spec`` for the call signature ``key`` (the arguments of that call: ``dyn``)."""
     _check_statics(spec, key.statics)
-    options = spec.options
+    options = options_of(spec, key)
     mesh = key.mesh
     shardings = pinned_out_shardings(spec.layout, mesh, options.axis_name)
     outputs = spec.layout.output if isinstance(spec.layout.output, tuple) else (spec.layout.output,)
@@ -310,14 +306,19 @@ def make_plan(spec: KernelSpec, key: PlanKey, dyn: tuple[Any, ...], n_valid: Any
         return jax.jit(program, out_shardings=shardings)
 
     if options.batch_size == "auto":
-        run, chunk = _largest_fitting_chunk(spec, jitted, key, dyn, n_valid)
+        run, chunk = _largest_fitting_chunk(options, jitted, key, dyn, n_valid, spec.qualname)
     else:
         run, chunk = jitted(options), options.batch_size
     return Plan(spec, key, run, chunk if isinstance(chunk, int) else None, check, shardings)
 
 
 def _largest_fitting_chunk(
-    spec: KernelSpec, jitted: Callable[[Options], jax.stages.Wrapped], key: PlanKey, dyn: tuple[Any, ...], n_valid: Any
+    options: Options,
+    jitted: Callable[[Options], jax.stages.Wrapped],
+    key: PlanKey,
+    dyn: tuple[Any, ...],
+    n_valid: Any,
+    qualname: str,
 ) -> tuple[jax.stages.Wrapped, int | None]:
     """``batch_size="auto"``: the largest chunk whose compiled per-device bytes fit the budget.
 
@@ -327,7 +328,8 @@ def _largest_fitting_chunk(
     """
     from ._memory import compiled_memory, device_memory_budget, format_bytes
 
-    options, mesh = spec.options, key.mesh
+    mesh = key.mesh
+    abstract = (_abstract(dyn), None if n_valid is None else _abstract(n_valid))
     per_device = -(-key.n_walkers // _compat.axis_size(mesh, options.axis_name))
     budget = options.memory_budget or device_memory_budget(mesh.devices.flat[0])
     candidates: list[int | None] = [1 << k for k in range(max(per_device - 1, 1).bit_length()) if 1 << k < per_device]
@@ -337,8 +339,8 @@ def _largest_fitting_chunk(
     def needs(bs: int | None) -> int:
         if bs not in tried:
             run = jitted(dataclasses.replace(options, batch_size=bs))
-            with jax.set_mesh(mesh) if _compat.context_mesh_differs(mesh) else contextlib.nullcontext():
-                compiled = run.lower(dyn, n_valid).compile()
+            # Compiled here, while the call traces: abstract arguments (a tracer cannot be lowered with).
+            compiled = run.lower(*abstract).compile()
             tried[bs] = (run, compiled_memory(compiled).total_bytes)
         return tried[bs][1]
 
@@ -351,7 +353,7 @@ def _largest_fitting_chunk(
     if lo < 0:
         raise CallError(
             message(
-                spec.qualname,
+                qualname,
                 "batch_size='auto' found no chunk that fits the per-device memory budget: even one walker at a time "
                 "needs more.",
                 got=f"{format_bytes(needs(candidates[0]))} per device for batch_size={candidates[0]}, "

@@ -7,7 +7,6 @@ calls the same :func:`~shardvmc._stats.reduce_blocks` as ``Mean``/``Sum`` output
 
 from __future__ import annotations
 
-import functools
 import inspect
 from collections.abc import Callable
 from typing import Any
@@ -16,6 +15,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
+from ._caches import bounded
 from ._decorator import WalkerParallel
 from ._errors import CallError, message
 from ._kernel import Options
@@ -26,13 +26,13 @@ from ._walkerset import WalkerSet
 __all__ = ["jtj", "jtv", "walker_mean", "walker_sum"]
 
 
-@functools.cache
+@bounded(64)
 def _kernel(block: Callable[..., Any], names: tuple[str, ...], where: str) -> Callable[..., Any]:
     """The reduction ``block(*blocks)`` as a kernel ``(mesh, axis_name) -> WalkerParallel``."""
     signature = inspect.Signature([inspect.Parameter(n, inspect.Parameter.POSITIONAL_ONLY) for n in names])
     layout = Layout(tuple(Param(n, Kind.PER_WALKER) for n in names), Kind.REPLICATED, signature)
 
-    @functools.cache
+    @bounded(16)
     def on(mesh: Mesh | None, axis_name: str | tuple[str, ...]) -> WalkerParallel:
         options = Options(axis_name=axis_name, batched=True)
         return WalkerParallel(block, layout, mesh=mesh, options=options, qualname=where)

@@ -43,7 +43,7 @@ class WalkerSet:
             hold different numbers of walkers (scalar leaves, which are left alone, apart).
 
     Example:
-        >>> import jax.numpy as jnp, shardvmc as sv
+        >>> import jax, jax.numpy as jnp, shardvmc as sv
         >>> walkers = sv.WalkerSet(jnp.zeros((8, 2, 3)), n_valid=6)
         >>> walkers.n_walkers, walkers.n_valid
         (8, 6)

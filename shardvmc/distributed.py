@@ -14,20 +14,20 @@ Example:
 from __future__ import annotations
 
 import atexit
-import ctypes
 import functools
 import hashlib
 import os
 import signal
 import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import _internals
 from ._errors import CallError, describe, message
 
 __all__ = [
@@ -85,15 +85,6 @@ def _launched_settings() -> tuple[str, int, int]:
         ) from None
 
 
-def _backends_initialized() -> bool:
-    try:  # JAX has no public spelling of this question
-        from jax._src import xla_bridge
-
-        return bool(xla_bridge.backends_are_initialized())
-    except (ImportError, AttributeError):  # pragma: no cover - then JAX's own error speaks
-        return False
-
-
 def _loopback_host(coordinator_address: str | None) -> str | None:
     """The loopback address of a coordinator on this machine's loopback, else ``None``."""
     if not coordinator_address or ":" not in coordinator_address:
@@ -102,43 +93,6 @@ def _loopback_host(coordinator_address: str | None) -> str | None:
     if host == "localhost" or host.startswith("127."):
         return "127.0.0.1"
     return "::1" if host == "::1" else None
-
-
-def _pin_gloo_to(host: str) -> None:
-    """Make gloo listen and connect on ``host`` instead of the address of the machine's name.
-
-    A group whose coordinator is on loopback lives on one machine; left alone, gloo
-    binds to whatever the hostname resolves to, which sandboxes and CI runners may not
-    route. JAX 0.10.2 offers no option for it: ``make_cpu_client`` calls
-    ``make_gloo_tcp_collectives(distributed_client=...)`` without the ``hostname`` or
-    ``interface`` the factory takes, there is no config flag, and gloo reads no
-    environment variable for it. So the one factory is wrapped to supply the host (a
-    hostname or interface passed by someone else is kept); nothing else is patched.
-    """
-    try:  # no public spelling: JAX builds the CPU client with these collectives itself
-        from jax._src import xla_bridge
-
-        # the module xla_bridge itself calls, which it imports without re-exporting it
-        module = xla_bridge._jax  # pyright: ignore[reportPrivateImportUsage]
-        make = module.make_gloo_tcp_collectives
-    except (ImportError, AttributeError):  # pragma: no cover - another JAX layout: keep its default
-        return
-    make = getattr(make, "__wrapped__", make)
-
-    module.make_gloo_tcp_collectives = _OnHost(make, host)
-
-
-class _OnHost:
-    """JAX's gloo factory with ``hostname=host`` where the caller names neither a host nor an interface."""
-
-    def __init__(self, make: Callable[..., Any], host: str) -> None:
-        self.__wrapped__ = make
-        self.shardvmc_host = host
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if kwargs.get("hostname") is None and kwargs.get("interface") is None:
-            kwargs["hostname"] = self.shardvmc_host
-        return self.__wrapped__(*args, **kwargs)
 
 
 def _select_cpu_collectives(coordinator_address: str | None) -> None:
@@ -157,7 +111,9 @@ def _select_cpu_collectives(coordinator_address: str | None) -> None:
     loopback = _loopback_host(coordinator_address)
     collectives = jax.config.jax_cpu_collectives_implementation  # pyright: ignore[reportAttributeAccessIssue]
     if loopback is not None and collectives == "gloo":
-        _pin_gloo_to(loopback)
+        # A group on loopback lives on one machine; left alone, gloo binds to the address of the machine's
+        # name, which sandboxes and CI runners may not route, and JAX has no option for it (see _internals).
+        _internals.pin_gloo_host(loopback)
 
 
 def _exit_code(status: Any) -> int:
@@ -174,32 +130,11 @@ def _interactive() -> bool:
     return bool(sys.flags.interactive) or hasattr(sys, "ps1")
 
 
-def _leave_without_barrier() -> None:
-    """Let this failing process end without waiting in JAX's shutdown barrier.
-
-    JAX's exit handler (registered when jax is imported) calls ``jax.distributed.shutdown()``,
-    whose client waits up to 5 minutes for every process to arrive, and so does the
-    client's destructor at interpreter teardown (measured: a failing process with its
-    peer asleep ends only when the peer does). JAX has no public way to leave without
-    the barrier, so its runtime objects are taken out of its state (its handler then
-    finds nothing to shut down and still clears the backends) and kept alive until the
-    process ends (no destructor runs; the operating system closes their connections).
-    """
-    try:
-        from jax._src.distributed import global_state
-    except ImportError:  # pragma: no cover - another JAX layout: its barrier then waits
-        return
-    for name in ("preemption_sync_manager", "client", "service"):
-        obj = getattr(global_state, name, None)
-        if obj is not None:
-            ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))  # never released: its destructor would wait
-            setattr(global_state, name, None)
-
-
 def _fail_fast_on_exit() -> None:
     """Make a failing exit skip JAX's shutdown barrier, so the other processes learn of it.
 
-    At exit, JAX's ``distributed.shutdown()`` waits (up to 5 minutes) for every process
+    Installed by ``initialize(fail_fast=True)`` only. At exit, JAX's
+    ``distributed.shutdown()`` waits (up to 5 minutes) for every process
     to arrive; a process that fails while its peers keep computing would sit there,
     alive, and the launcher (or a cluster scheduler) could not tell that it failed.
     Python offers no way to read the exit code at exit, so the two ways a program fails
@@ -212,7 +147,8 @@ def _fail_fast_on_exit() -> None:
 
     An exit handler registered here runs before JAX's (atexit runs last-registered
     first) and, after a failure, detaches JAX's distributed runtime
-    (:func:`_leave_without_barrier`). Every exit handler still runs, the one registered
+    (``_internals.detach_distributed_runtime``: JAX has no public way to leave without
+    the barrier). Every exit handler still runs, the one registered
     earlier by the program (a logger, a checkpoint writer) included, and the process
     exits with its own code. A successful exit is untouched: it waits for the peers,
     as JAX's does.
@@ -237,7 +173,7 @@ def _fail_fast_on_exit() -> None:
         uncaught = getattr(sys, "last_value", None)
         failed = exit_status[0] != 0 or (uncaught is not None and uncaught is not shown_before and not _interactive())
         if failed and jax.distributed.is_initialized():
-            _leave_without_barrier()
+            _internals.detach_distributed_runtime()
 
     sys.exit = exit_
     atexit.register(at_exit)
@@ -268,7 +204,7 @@ def initialize(
     process_id: int | None = None,
     local_device_ids: int | Sequence[int] | None = None,
     *,
-    fail_fast: bool = True,
+    fail_fast: bool = False,
     **kwargs: Any,
 ) -> None:
     """Join this process to a multi-process JAX run (wraps ``jax.distributed.initialize``).
@@ -284,15 +220,19 @@ def initialize(
 
     Calling it again is a no-op when the settings asked for are the ones in place.
 
-    With ``fail_fast`` (the default), a process that then fails, by ``sys.exit(code)``
-    with a non-zero code in the main thread or by an uncaught exception, leaves without
-    waiting up to 5 minutes in JAX's shutdown barrier for peers that are still
-    computing: ``python -m shardvmc.launch`` (or a cluster scheduler) sees the failure
-    and stops the others. Its exit handlers all run and it exits with its own code. For
-    this, ``sys.exit`` is wrapped (the wrapper calls the ``sys.exit`` it found, and is
-    removed at exit); ``sys.excepthook`` is left alone. (A ``SystemExit`` raised with
-    ``raise`` is not seen; a ``sys.exit(code)`` the program catches counts until a later
-    ``sys.exit(0)``; a successful exit still waits for the peers, as JAX's does.)
+    By default a process exits as JAX makes it: one that fails while its peers keep
+    computing first waits in JAX's shutdown barrier for them, up to 5 minutes, before
+    ``python -m shardvmc.launch`` (or a cluster scheduler) can see the failure. With
+    ``fail_fast=True``, a process that fails, by ``sys.exit(code)`` with a non-zero
+    code in the main thread or by an uncaught exception, leaves without waiting; its
+    exit handlers all run and it exits with its own code. JAX has no public way to
+    leave without the barrier, so this is opt-in: ``sys.exit`` is wrapped (the wrapper
+    calls the ``sys.exit`` it found, and is removed at exit), and after a failure JAX's
+    runtime objects are taken out of its private state and never released (see
+    ``docs/cluster.md``, "When a process fails"). ``sys.excepthook`` is left alone. (A
+    ``SystemExit`` raised with ``raise`` is not seen; a ``sys.exit(code)`` the program
+    catches counts until a later ``sys.exit(0)``; a successful exit still waits for the
+    peers, as JAX's does.)
 
     Args:
         coordinator_address: ``host:port`` of process 0's coordinator service.
@@ -300,7 +240,8 @@ def initialize(
         process_id: this process's index, ``0 .. num_processes - 1``.
         local_device_ids: the local accelerators this process uses (e.g. ``[0]``).
         fail_fast: let a failing process leave without JAX's shutdown barrier (see
-            above); ``False`` changes nothing in the process (JAX's exit as it is).
+            above); ``False``, the default, changes nothing in the process (JAX's exit
+            as it is).
         **kwargs: passed on to ``jax.distributed.initialize`` (for example
             ``cluster_detection_method``, ``initialization_timeout``).
 
@@ -318,6 +259,7 @@ def initialize(
         Two processes by hand, one per shell (skipped here: a process joins one group
         for its lifetime, and the test process must stay a single process):
 
+        >>> import jax
         >>> sv.distributed.initialize("127.0.0.1:12345", num_processes=2, process_id=0)  # doctest: +SKIP
         >>> jax.process_count(), jax.device_count() > jax.local_device_count()  # doctest: +SKIP
         (2, True)
@@ -333,7 +275,7 @@ def initialize(
     if jax.distributed.is_initialized():
         _check_same(requested)
         return
-    if _backends_initialized():
+    if _internals.backends_initialized():
         raise CallError(
             message(
                 "shardvmc.distributed.initialize",
@@ -352,13 +294,8 @@ def initialize(
     )
     if fail_fast:
         _fail_fast_on_exit()
-    try:  # what auto-detection settled on (no public spelling)
-        from jax._src.distributed import global_state
-
-        requested = {k: getattr(global_state, k, v) for k, v in requested.items()}
-    except ImportError:  # pragma: no cover
-        pass
-    _SETTINGS = requested
+    settled = _internals.distributed_settings()  # what auto-detection settled on (no public spelling)
+    _SETTINGS = {k: v if settled.get(k) is None else settled[k] for k, v in requested.items()}
 
 
 def _local_copy(leaf: Any) -> np.ndarray:

@@ -469,9 +469,13 @@ class Optimizer:
             raise CallError(
                 message(f"{_WHERE}.step", "pass exactly one of batch= and data_iterator= (as kfac-jax asks).")
             )
-        if self._block_size is None:
+        if not self._block_size:  # 0 until init() has read the batch
             raise CallError(
-                message(f"{_WHERE}.step", "called before init().", fix="call opt.init(params, rng, batch).")
+                message(
+                    f"{_WHERE}.step",
+                    "called before init(): the optimiser has no state and no batch size yet.",
+                    fix="call state = opt.init(params, rng, batch) first and pass that state to step.",
+                )
             )
         if global_step_int is None:
             counter = state.step_counter

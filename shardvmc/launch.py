@@ -24,9 +24,9 @@ left after ``--grace`` seconds (JAX's preemption notifier catches SIGTERM and ca
 on, so the SIGKILL is what ends a busy or hung JAX process). The same happens when the
 launcher itself gets SIGINT (Ctrl-C) or SIGTERM: it exits with ``128 + signal`` and
 leaves no process of its groups behind. A process that fails with ``sys.exit(code)``
-or an uncaught exception after ``sv.distributed.initialize()`` leaves without waiting in
-JAX's shutdown barrier for its peers (see :func:`shardvmc.distributed.initialize`), so
-the launcher sees the failure.
+or an uncaught exception after ``sv.distributed.initialize(fail_fast=True)`` leaves
+without waiting in JAX's shutdown barrier for its peers (see
+:func:`shardvmc.distributed.initialize`), so the launcher sees the failure at once.
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ import jax
 from jax.core import Tracer
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from . import _internals
 from ._mesh import resolve_mesh
 
 __all__ = ["CPU_SCHEDULER_FLAG", "assert_replicated", "assert_walker_sharded", "cpu_environment", "set_cpu_devices"]
@@ -88,9 +89,7 @@ def set_cpu_devices(n: int | None = None) -> None:
         >>> from shardvmc.testing import set_cpu_devices
         >>> set_cpu_devices(8)  # doctest: +SKIP
     """
-    from jax._src import xla_bridge
-
-    if xla_bridge.backends_are_initialized():
+    if _internals.backends_initialized():
         raise RuntimeError(
             "set_cpu_devices: JAX's backend has already started, so XLA_FLAGS would be ignored; call it first "
             "thing in the program, before any JAX array is created."

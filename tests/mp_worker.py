@@ -22,9 +22,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax._src import xla_bridge  # to see where gloo was pinned
 
 import shardvmc as sv
+from shardvmc import _internals  # to see where gloo was pinned
 
 N_WALKERS = 8  # divisible by the 4 devices of the global mesh
 N_UNEVEN = 10  # not divisible: padded to 12
@@ -174,12 +174,12 @@ def local_facts(mesh: Any) -> dict[str, Any]:
         "shard_ok": all(np.array_equal(np.asarray(s.data), host_walkers()[s.index]) for s in x.addressable_shards),
         "init_rows": sorted(s.index[0].indices(12)[:2] for s in w["r"].addressable_shards),
         "collectives": jax.config.jax_cpu_collectives_implementation,
-        "gloo_host": getattr(xla_bridge._jax.make_gloo_tcp_collectives, "shardvmc_host", None),
+        "gloo_host": _internals.gloo_host(),
     }
 
 
-def _initialize_twice() -> dict[str, Any]:
-    sv.distributed.initialize()  # joins the launched group
+def _initialize_twice(fail_fast: bool) -> dict[str, Any]:
+    sv.distributed.initialize(fail_fast=fail_fast)  # joins the launched group
     try:
         sv.distributed.initialize()  # the same settings again: a no-op
         same_again: Any = (jax.process_count(), jax.process_index()) == (2, int(os.environ["SHARDVMC_PROCESS_ID"]))
@@ -215,7 +215,7 @@ def main(argv: list[str]) -> None:
     # Switch the CPU collectives off: initialize() must select gloo again, or the
     # cross-process all-reduces below fail.
     jax.config.update("jax_cpu_collectives_implementation", None)
-    facts = {"launched": sv.distributed.is_launched(), "initialize": _initialize_twice()}
+    facts = {"launched": sv.distributed.is_launched(), "initialize": _initialize_twice(fail_fast=mode == "crash")}
     mesh = sv.create_mesh()
     if mode == "crash":
         if jax.process_index() == 1:

@@ -19,12 +19,14 @@ PUBLIC = {
     "Mean", "Sum",
     # reductions
     "walker_mean", "walker_sum", "jtj", "jtv",
+    # caches
+    "clear_caches",
     # natural gradient
     "natural_gradient", "NaturalGradientInfo",
     # Monte Carlo statistics
     "statistics", "Stats", "StatsAccumulator",
     # errors and warnings
-    "ShardvmcError", "DecorationError", "CallError", "UnhashableStaticError", "PaddingWarning",
+    "ShardvmcError", "DecorationError", "CallError", "ArgumentsError", "UnhashableStaticError", "PaddingWarning",
     "CommunicationWarning",
     # checkpoints and multi-process
     "save_walkers", "load_walkers", "Checkpoint", "RESIZED", "distributed",
@@ -107,3 +109,33 @@ def test_optional_submodules_lock_their_public_names(name):
     names = SUBMODULES[name]
     assert set(module.__all__) == names
     assert all(getattr(module, n).__doc__ for n in names if n != "KFAC_JAX_PATCHED")
+
+
+def test_no_cache_of_programs_grows_without_bound():
+    """Every module-level cache is a bounded LRU that sv.clear_caches empties (the default mesh aside)."""
+    import pathlib
+    import re
+
+    unbounded = []
+    for path in sorted(pathlib.Path(sv.__file__).parent.glob("*.py")):
+        for i, line in enumerate(path.read_text().splitlines(), 1):
+            if re.search(r"functools\.cache\b|lru_cache\(maxsize=None\)", line):
+                unbounded.append(f"{path.name}:{i}")
+    assert unbounded == ["_mesh.py:63"], unbounded  # _default_mesh: one mesh per axis name
+
+
+def test_clear_caches_empties_kernels_and_module_caches():
+    @sv.walker_parallel
+    def r2(r: sv.PerWalker) -> sv.Mean:
+        return (r**2).sum()
+
+    import jax.numpy as jnp
+
+    from shardvmc import _reductions
+
+    assert float(r2(jnp.ones((8, 3)))) == 3.0
+    sv.walker_mean(jnp.ones((8, 3)))
+    assert r2._jits and _reductions._kernel.cache_info().currsize
+    sv.clear_caches()
+    assert not r2._jits and not r2._plans and _reductions._kernel.cache_info().currsize == 0
+    assert float(r2(jnp.ones((8, 3)))) == 3.0

@@ -142,11 +142,6 @@ def chunked_statistic(r: PerWalker[jax.Array]) -> PerWalker[jax.Array]:
     return r - sv.all_walkers.mean(r)
 
 
-def in_data_mesh():
-    with jax.set_mesh(jax.make_mesh((8,), ("data",))):
-        return energy(ONE, R8)
-
-
 @chex.dataclass
 class Walkers:
     r: Any
@@ -229,8 +224,6 @@ CATALOGUE = [
         ("all_walkers.mean", "outside a walker-parallel kernel", "sv.walker_mean")),
     Bad("all_walkers in a kernel with batch_size", lambda: chunked_statistic(R8), sv.CallError,
         ("all_walkers.mean", "batch_size=", "cannot see each other")),
-    Bad("JAX mesh context without the walker axis", in_data_mesh, sv.CallError,
-        ("energy", "no axis named 'walkers'", "axis_name=")),
     # ------------------------------------------------ call time: walkers
     Bad("PerWalker leaves of different walker counts", lambda: energy(ONE, {"a": R8, "b": np.ones((7, 3))}),
         sv.CallError, ("energy", "'r'['a']", "'r'['b']", "8 walkers", "has 7", "walker axis first")),
@@ -248,7 +241,8 @@ CATALOGUE = [
         ("energy", "'r'", "zero walkers", "at least one walker")),
     Bad("no PerWalker leaf at all (empty pytree)", lambda: energy(ONE, {}), sv.CallError,
         ("energy", "no PerWalker argument", "mark at least one parameter PerWalker")),
-    Bad("walkers committed to another mesh's devices", lambda: energy(ONE, other_mesh_walkers()), sv.CallError,
+    Bad("walkers committed to other devices than the kernel's mesh=",
+        lambda: sv.walker_parallel(energy.__wrapped__, mesh=sv.create_mesh())(ONE, other_mesh_walkers()), sv.CallError,
         ("energy", "PerWalker parameter 'r'", "other devices", "devices [0, 1, 2]", "sv.shard_walker(x, mesh)")),
     # ------------------------------------------------ call time: keys, statics, n_valid, meshes
     Bad("integer seed as WalkerKey", lambda: move(3, R8), sv.CallError,

@@ -26,6 +26,7 @@ import contextlib
 import dataclasses
 import doctest
 import importlib
+import importlib.util
 import io
 import os
 import re
@@ -127,6 +128,14 @@ def test_nav_lists_every_page_and_every_page_exists():
     assert listed == pages, f"in the nav but missing: {listed - pages}; not in the nav: {pages - listed}"
 
 
+def test_the_module_table_of_contributing_lists_every_module():
+    """docs/contributing.md's table says what each module of the package owns: none may be missing or stale."""
+    text = (DOCS / "contributing.md").read_text()
+    listed = {name for row in re.findall(r"^\| (`[^|]+`) \|", text, re.M) for name in re.findall(r"`(\w+)`", row)}
+    modules = {p.stem for p in (ROOT / "shardvmc").glob("*.py") if p.stem != "__init__"}
+    assert listed == modules, f"missing from the table: {sorted(modules - listed)}; stale: {sorted(listed - modules)}"
+
+
 def test_snippets_point_at_existing_sections():
     for page in sorted(DOCS.glob("*.md")):
         for line in page.read_text().splitlines():
@@ -141,6 +150,58 @@ def test_snippets_point_at_existing_sections():
                     assert f"--8<-- [{mark}:{m.group('section')}]" in text, (
                         f"{page.name}: {m.group('path')} has no [{mark}:{m.group('section')}] marker"
                     )
+
+
+# ----------------------------------------------------------------------------- code width
+
+# docs/code_width.py is a script of the docs (CI runs it on the built site), not a package module.
+_spec = importlib.util.spec_from_file_location("code_width", DOCS / "code_width.py")
+assert _spec is not None and _spec.loader is not None
+code_width = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(code_width)
+ANY_FENCE = re.compile(r"^(?P<indent>[ \t]*)```[^\n]*\n(?P<body>.*?)^(?P=indent)```[ \t]*$", re.M | re.S)
+
+
+def _snippet_lines(path: str, section: str | None) -> list[str]:
+    lines = (ROOT / path).read_text().splitlines()
+    if section:
+        start = next(i for i, x in enumerate(lines) if f"--8<-- [start:{section}]" in x)
+        end = next(i for i, x in enumerate(lines) if f"--8<-- [end:{section}]" in x)
+        lines = [x for x in lines[start + 1 : end] if "--8<-- [" not in x]
+    indent = min((len(x) - len(x.lstrip()) for x in lines if x.strip()), default=0)  # dedent_subsections
+    return [x[indent:] for x in lines]
+
+
+def long_code_lines(page: Path, width: int = code_width.WIDTH) -> list[str]:
+    """``docs/PAGE:LINE: N characters`` for every code line of ``page`` (included files too) wider than ``width``."""
+    text = page.read_text()
+    out = []
+    for m in ANY_FENCE.finditer(text):
+        first = text.count("\n", 0, m.start("body")) + 1
+        indent = len(m.group("indent"))
+        for k, line in enumerate(m.group("body").splitlines()):
+            where = f"docs/{page.name}:{first + k}"
+            snippet = SNIPPET.match(line)
+            shown = _snippet_lines(snippet["path"], snippet["section"]) if snippet else [line[indent:]]
+            out += [f"{where}: {len(x)} characters: {x.strip()[:60]}" for x in shown if len(x.rstrip()) > width]
+    return out
+
+
+@pytest.mark.parametrize("page", sorted(p.name for p in DOCS.glob("*.md")))
+def test_code_lines_fit_the_page(page):
+    # A wider line is cut off at a 1280 px window (docs/code_width.py says how the width was measured).
+    long = long_code_lines(DOCS / page)
+    assert not long, f"code lines wider than {code_width.WIDTH} characters (wrap them):\n" + "\n".join(long)
+
+
+def test_the_width_checks_see_a_long_line(tmp_path):
+    page = tmp_path / "p.md"
+    long = "y = 0" + " " * 120 + "+ 1"
+    page.write_text(f"text\n\n```python\nx = 1\n{long}\n```\n\n!!! note\n    ```\n    ok\n    ```\n")
+    assert [x.split(":")[1] for x in long_code_lines(page)] == ["5"]
+    wide = "<pre><code>" + "a" * (code_width.WIDTH + 1) + "</code></pre><pre><span>b</span>&lt;</pre>"
+    assert code_width.long_lines_in_html(wide) == ["a" * (code_width.WIDTH + 1)]
+    assert code_width.long_lines_in_html("<pre>" + "&lt;" * code_width.WIDTH + "</pre>") == []
 
 
 # ----------------------------------------------------------------------------- code examples
@@ -213,7 +274,7 @@ def run_page(page: Path, n_devices: int, skipped: list[str] | None = None) -> li
     block that imports a package that cannot be imported here (``NEEDS``) is not run; it is
     appended to ``skipped`` as ``docs/PAGE:LINE (why)``.
     """
-    namespace: dict = {"__name__": f"docs_{page.stem}"}
+    namespace: dict = {"__name__": "__main__"}  # names in outputs read as in a user's script
     name = f"docs/{page.name}"
     printed: str | None = None  # what the last python block printed
     not_run = False  # whether the last block was one not run here (its Output block is not checked either)
@@ -360,6 +421,7 @@ def test_site_builds_strict(tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     page = (tmp_path / "site" / "getting-started" / "index.html").read_text()
     assert "metropolis_step" in page and "make_step" in page  # the example's snippets were included
+    assert not code_width.check_site(tmp_path / "site"), "code lines wider than the page: see docs/code_width.py"
 
 
 if __name__ == "__main__":  # the one-device run of test_code_examples_run_on_one_device: python test_docs.py PAGE...

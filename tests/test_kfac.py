@@ -200,6 +200,12 @@ def test_another_batch_size_and_a_traced_state_are_refused(runs):
                  damping=DAMPING)  # fmt: skip
 
 
+def test_step_before_init_says_to_call_init():
+    opt = svk.Optimizer(lambda *args: None, **KFAC)
+    with pytest.raises(sv.CallError, match=r"called before init\(\).*\n.*opt\.init\(params, rng, batch\)"):
+        opt.step({"w": np.zeros(2)}, None, _keys(0), batch=np.zeros((8, 3)), global_step_int=0)  # was an AssertionError
+
+
 def test_unsupported_kfac_arguments_are_refused():
     for bad in ({"multi_device": True}, {"debug": True}, {"use_initial_damping_calibration": True},
                 {"num_burnin_steps": 2}):  # fmt: skip

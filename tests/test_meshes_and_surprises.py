@@ -73,10 +73,17 @@ def test_walkers_split_over_two_mesh_axes():
     np.testing.assert_array_equal(np.asarray(draw(jax.random.key(0), R)), np.asarray(flat))
 
 
-def test_a_jax_mesh_without_the_walker_axis_is_a_call_error():
-    with jax.set_mesh(jax.make_mesh((8,), ("data",))):
-        with pytest.raises(sv.CallError, match=r"(?s)no axis named 'walkers'.*axis_name="):
-            sv.walker_parallel(energy)(jnp.float32(0.5), R)
+def test_a_jax_mesh_without_the_walker_axis_runs_the_kernel_over_its_axes():
+    # Another library's mesh (NetKet sets ("S",) at import): the walkers are split over its axes.
+    expected = sv.walker_parallel(energy, mesh=sv.create_mesh(jax.devices()[:1]))(jnp.float32(0.5), R)
+    mesh = jax.make_mesh((jax.device_count(),), ("data",))
+    with jax.set_mesh(mesh):
+        kernel = sv.walker_parallel(energy)
+        for got in (kernel(jnp.float32(0.5), R), jax.jit(kernel)(jnp.float32(0.5), R)):
+            jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), got, expected)
+        assert kernel.explain(jnp.float32(0.5), R).walker_axis == ("data",)
+    with pytest.raises(sv.CallError, match=r"(?s)no axis named 'walkers'.*axis_name="):
+        sv.walker_parallel(energy, mesh=mesh)(jnp.float32(0.5), R)  # a mesh given to the kernel must have it
 
 
 # ---- no silent surprises ---------------------------------------------------------------------
@@ -170,3 +177,24 @@ def test_complex_jtj_and_jtv_conjugate(mesh):
     np.testing.assert_allclose(g, j.conj().T @ v, rtol=1e-12)
     np.testing.assert_allclose(m, j.mean(0), rtol=1e-12)
     np.testing.assert_allclose(s, np.asarray(s).conj().T)  # Hermitian
+
+
+@pytest.mark.parametrize("context", ["use_mesh", "set_mesh", "given"])
+def test_replicate_needs_no_walker_axis(context):
+    """Replication splits over no axis, so a mesh without a ``walkers`` axis serves, given or current."""
+    devices = np.array(jax.devices()[:4]).reshape(2, 2)
+    mesh = Mesh(devices, ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    tree = {"w": np.arange(6.0).reshape(2, 3), "b": 0.5}
+    if context == "given":
+        p = sv.replicate(tree, mesh)
+    else:
+        with sv.use_mesh(mesh) if context == "use_mesh" else jax.set_mesh(mesh):
+            p = sv.replicate(tree)
+    for leaf, want in ((p["w"], tree["w"]), (p["b"], tree["b"])):
+        assert leaf.sharding.mesh == mesh and leaf.sharding.is_fully_replicated
+        np.testing.assert_array_equal(np.asarray(leaf), want)
+
+
+def test_replicate_without_any_mesh_uses_the_default_mesh():
+    p = sv.replicate(np.ones(3))
+    assert p.sharding.is_fully_replicated and dict(p.sharding.mesh.shape) == {"walkers": len(jax.devices())}

@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 
 import shardvmc as sv
-from shardvmc import distributed, launch
+from shardvmc import _internals, distributed, launch
 from shardvmc.testing import CPU_SCHEDULER_FLAG, cpu_environment
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -335,6 +335,7 @@ def test_helium_example_matches_one_process_with_four_devices(runs):
 
 
 def test_a_crashing_process_ends_the_run_promptly(runs):
+    """The crashing worker initialised with ``fail_fast=True``: it leaves without JAX's shutdown barrier."""
     code, output = runs["crash"].wait()
     assert code == 3, output
     assert "[launch] process 1 exited with code 3; stopping the others." in output
@@ -579,8 +580,9 @@ def test_a_signal_right_after_the_failure_message_cuts_the_grace_short(monkeypat
     assert took < 60, err.getvalue()  # the grace is 120 s (a hang guard, not a benchmark)
 
 
-def test_an_uncaught_exception_after_initialize_ends_the_run_promptly():
-    """The failing process skips JAX's shutdown barrier (5 minutes), so the launcher sees it and stops process 0.
+def test_an_uncaught_exception_after_initialize_with_fail_fast_ends_the_run_promptly():
+    """With ``fail_fast=True`` the failing process skips JAX's shutdown barrier (5 minutes), so the launcher sees
+    it and stops process 0.
 
     The program replaces ``sys.excepthook`` after initialize without calling the one it found (as
     ``rich.traceback.install()`` does) and registered an exit handler before it: the failure is still
@@ -590,7 +592,7 @@ def test_an_uncaught_exception_after_initialize_ends_the_run_promptly():
         "import atexit, sys, time, traceback\n"
         "atexit.register(lambda: print('user exit handler ran', flush=True))\n"
         "import shardvmc as sv\n"
-        "sv.distributed.initialize()\n"
+        "sv.distributed.initialize(fail_fast=True)\n"
         "import jax\n"
         "sys.excepthook = lambda *exc: (print('user excepthook:', exc[1]), traceback.print_exception(*exc))\n"
         "if jax.process_index() == 1:\n"
@@ -693,7 +695,7 @@ def initialize_without_a_group(monkeypatch):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.delenv("JAX_PLATFORMS", raising=False)
     monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: calls.append((kw, _collectives())))
-    monkeypatch.setattr(distributed, "_backends_initialized", lambda: False)  # this process's backend runs
+    monkeypatch.setattr(_internals, "backends_initialized", lambda: False)  # this process's backend runs
     monkeypatch.setattr(distributed, "_SETTINGS", None)
     monkeypatch.setattr(sys, "exit", sys.exit)  # put back whatever initialize may install
     monkeypatch.setattr(sys, "excepthook", sys.excepthook)
@@ -729,6 +731,17 @@ def test_gloo_is_chosen_with_an_accelerator_plugin_installed_and_no_gpu(initiali
     assert collectives == "gloo"
     assert "fail_fast" not in kwargs and kwargs["num_processes"] == 2
     assert sys.exit is exit_before  # fail_fast=False installs nothing
+
+
+def test_initialize_leaves_the_exit_of_the_process_alone_by_default(initialize_without_a_group, monkeypatch):
+    """Handling a failing exit (a wrapped ``sys.exit``, JAX's runtime detached) is opt-in: ``fail_fast=True``."""
+    monkeypatch.setattr(distributed, "_FAIL_FAST_INSTALLED", False)
+    registered: list[Any] = []
+    monkeypatch.setattr(distributed.atexit, "register", registered.append)
+    exit_before = sys.exit
+    sv.distributed.initialize("127.0.0.1:1", num_processes=2, process_id=0)
+    assert sys.exit is exit_before and registered == []
+    assert len(initialize_without_a_group) == 1
 
 
 @pytest.mark.parametrize("chosen", ["mpi", "megascale"])

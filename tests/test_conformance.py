@@ -1,0 +1,468 @@
+"""The conformance matrix: public entry points x transforms x mesh contexts x devices x walker counts.
+
+Every cell runs one entry point under one transform in one mesh context, on a mesh of 1, 3
+or 8 devices with a walker count the mesh divides or not, and compares with the unsharded
+reference: the same computation written with ``jax.vmap`` on one device (``REFERENCE``
+below), float64 throughout, so agreement is to round-off (``RTOL``).
+
+The full product (``len(ENTRIES) x len(TRANSFORMS) x len(CONTEXTS) x 3 x 2`` cells, over
+two thousand) compiles a program per cell, too slow for CI. It is sampled with a fixed
+seed (``SEED``) as a pairwise covering: every (entry point, transform) pair and every
+(transform, context) pair and every (entry point, context) pair appears at least once,
+each cell with a device count and walker count from the seeded generator. Change
+``SEED`` to draw other cells; ``SHARDVMC_CONFORMANCE=full`` runs the whole product.
+
+Cells whose result is a documented error rather than a value:
+
+- a kernel whose own mesh spans other devices than the context mesh, called inside a
+  trace (``jit``, ``grad``, ...): ``CallError`` (one traced computation runs on one set
+  of devices; eager calls run on the kernel's mesh);
+- arrays committed to a sub-mesh passed to a kernel of all devices inside the caller's
+  ``jax.jit``: JAX's own ``ValueError`` (a tracer does not know its devices; an eager
+  call runs on the arrays' mesh instead).
+
+Entry points that are not differentiable by design (the solver's update, the Monte Carlo
+statistics) are run under the transforms that do not differentiate.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import random
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import shardvmc as sv
+import shardvmc.optax as svx
+from shardvmc import Mean, PerWalker, Replicated, WalkerKey
+
+SEED = 20261202
+RTOL = 1e-9
+DEVICES = (1, 3, 8)
+COUNTS = ("divisible", "uneven")
+
+
+@pytest.fixture(autouse=True)
+def _x64() -> Iterator[None]:
+    with jax.enable_x64(True), warnings.catch_warnings():
+        warnings.simplefilter("ignore", sv.PaddingWarning)
+        yield
+
+
+# ---- the per-walker program: a small network with the constructs of real code ------------------------
+
+
+def log_psi(params: dict[str, jax.Array], r: jax.Array) -> jax.Array:
+    n = r.shape[0]
+    h = jnp.tanh(r @ params["w"] + params["b"])
+    d = jnp.linalg.norm(r[:, None, :] - r[None, :, :] + jnp.eye(n)[..., None], axis=-1) * (1.0 - jnp.eye(n))
+    return jnp.sum(h @ params["v"]) + jnp.sum(d / (1.0 + params["a"] * d)) - jnp.sum(params["z"] ** 2 * r**2)
+
+
+def local_energy(params: dict[str, jax.Array], r: jax.Array) -> jax.Array:
+    grad = jax.grad(log_psi, argnums=1)(params, r)
+    hess = jax.hessian(log_psi, argnums=1)(params, r).reshape(r.size, r.size)
+    return -0.5 * (jnp.trace(hess) + jnp.sum(grad**2)) + jnp.sum(r**2)
+
+
+def make_params() -> dict[str, jax.Array]:
+    k = jax.random.split(jax.random.key(0), 3)
+    return {
+        "w": jax.random.normal(k[0], (3, 4), jnp.float64) * 0.5,
+        "b": jax.random.normal(k[1], (4,), jnp.float64) * 0.1,
+        "v": jax.random.normal(k[2], (4,), jnp.float64),
+        "a": jnp.float64(0.7),
+        "z": jnp.float64(0.6),
+    }
+
+
+def walkers(n: int) -> jax.Array:
+    return jax.random.normal(jax.random.key(1), (n, 3, 3), jnp.float64)
+
+
+KEY_SEED = 7
+
+
+def noise(key: jax.Array) -> jax.Array:
+    return 1e-2 * jax.random.normal(key, (), jnp.float64)
+
+
+# ---- entry points: (the function under test on a mesh, its reference) ---------------------------------
+# Each takes the mesh it is given (None: the call's own resolution) and returns f(x, rest) where x is the
+# differentiated input (the parameters, or J) and rest the others; outputs are pytrees of arrays.
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    name: str
+    make: Callable[[Any], Callable[..., Any]]  # mesh -> f(x, *rest)
+    reference: Callable[..., Any]  # f(x, *rest) on one device, jax.vmap
+    inputs: Callable[[int], tuple[Any, ...]]  # n walkers -> (x, *rest)
+    differentiable: bool = True
+    walker_outputs: bool = True  # whether outputs have a walker axis (vmap/scan stack around it)
+
+
+def _energy_kernel(mesh: Any) -> Callable[..., Any]:
+    @sv.walker_parallel(mesh=mesh)
+    def energy(
+        params: Replicated[dict], r: PerWalker[jax.Array], key: WalkerKey
+    ) -> tuple[PerWalker[jax.Array], Mean[jax.Array]]:
+        e = local_energy(params, r) + noise(key)
+        return e, e
+
+    return lambda p, r: energy(p, r, jax.random.key(KEY_SEED))
+
+
+def _energy_reference(p: Any, r: jax.Array) -> Any:
+    keys = jax.vmap(jax.random.fold_in, (None, 0))(jax.random.key(KEY_SEED), jnp.arange(r.shape[0]))
+    e = jax.vmap(lambda r, k: local_energy(p, r) + noise(k))(r, keys)
+    return e, jnp.mean(e)
+
+
+def _replicated_args_kernel(mesh: Any) -> Callable[..., Any]:
+    @sv.walker_parallel(mesh=mesh)
+    @sv.replicated_args("params")
+    def psi(params, r, *, scale: sv.Replicated[jax.Array]):  # keyword-only, too
+        return scale * log_psi(params, r)
+
+    return lambda p, r: psi(p, r, scale=jnp.float64(0.5))
+
+
+def _shard_vmap(mesh: Any) -> Callable[..., Any]:
+    return sv.shard_vmap(lambda p, r: (local_energy(p, r), log_psi(p, r)), mesh=mesh, in_axes=(None, 0))
+
+
+def _batched_vmap(mesh: Any) -> Callable[..., Any]:
+    return sv.sharded_batched_vmap(log_psi, 2, mesh=mesh, in_axes=(None, 0))
+
+
+def _reductions(mesh: Any) -> Callable[..., Any]:
+    def f(p: Any, r: jax.Array) -> Any:
+        x = r.reshape(r.shape[0], -1) * p["z"]
+        return sv.walker_mean(x, mesh=mesh), sv.walker_sum(x**2, mesh=mesh)
+
+    return f
+
+
+def _gram(mesh: Any) -> Callable[..., Any]:
+    return lambda j, e: (sv.jtj(j, mesh=mesh), sv.jtv(j, e, mesh=mesh))
+
+
+def _solver(mesh: Any) -> Callable[..., Any]:
+    return lambda j, e: sv.natural_gradient(j, e, damping=1e-3, method="dense", mesh=mesh)[0]
+
+
+def _chain(mesh: Any) -> Callable[..., Any]:
+    ng = svx.natural_gradient(damping=1e-3, method="minsr", mesh=mesh)
+
+    def f(j: jax.Array, e: jax.Array) -> Any:
+        zeros = jnp.zeros(j.shape[1], j.dtype)
+        return ng.update(zeros, ng.init(zeros), jacobian=j, local_energies=e)[0]
+
+    return f
+
+
+def _stats(mesh: Any) -> Callable[..., Any]:
+    def f(x: jax.Array) -> Any:
+        s = sv.statistics(x, mesh=mesh)
+        return s.mean, s.error_of_mean, s.variance
+
+    return f
+
+
+def _jacobian_inputs(n: int) -> tuple[jax.Array, jax.Array]:
+    k1, k2 = jax.random.split(jax.random.key(3))
+    return jax.random.normal(k1, (n, 6), jnp.float64), jax.random.normal(k2, (n,), jnp.float64)
+
+
+def _centred(j: jax.Array, e: jax.Array) -> tuple[jax.Array, jax.Array]:
+    n = j.shape[0]
+    return (j - j.mean(0)) / jnp.sqrt(n), (e - e.mean()) / jnp.sqrt(n)
+
+
+def _solver_reference(j: jax.Array, e: jax.Array) -> jax.Array:
+    jc, ec = _centred(j, e)
+    return jnp.linalg.solve(jc.T @ jc + 1e-3 * jnp.eye(j.shape[1]), jc.T @ ec)
+
+
+def _stats_reference(x: jax.Array) -> Any:
+    s = sv.statistics(np.asarray(x), mesh=sv.create_mesh(jax.devices()[:1]))
+    return s.mean, s.error_of_mean, s.variance
+
+
+def _series(n: int) -> tuple[jax.Array]:
+    return (jnp.float64(-2.5) + 0.1 * jax.random.normal(jax.random.key(4), (n, 12), jnp.float64),)
+
+
+ENTRIES = (
+    Entry("walker_parallel", _energy_kernel, _energy_reference, lambda n: (make_params(), walkers(n))),
+    Entry(
+        "replicated_args",
+        _replicated_args_kernel,
+        lambda p, r: 0.5 * jax.vmap(log_psi, (None, 0))(p, r),
+        lambda n: (make_params(), walkers(n)),
+    ),
+    Entry(
+        "shard_vmap",
+        _shard_vmap,
+        lambda p, r: jax.vmap(lambda r: (local_energy(p, r), log_psi(p, r)))(r),
+        lambda n: (make_params(), walkers(n)),
+    ),
+    Entry(
+        "sharded_batched_vmap",
+        _batched_vmap,
+        lambda p, r: jax.vmap(log_psi, (None, 0))(p, r),
+        lambda n: (make_params(), walkers(n)),
+    ),
+    Entry(
+        "walker_mean/walker_sum",
+        _reductions,
+        lambda p, r: (
+            jnp.mean(r.reshape(r.shape[0], -1) * p["z"], 0),
+            jnp.sum((r.reshape(r.shape[0], -1) * p["z"]) ** 2, 0),
+        ),
+        lambda n: (make_params(), walkers(n)),
+        walker_outputs=False,
+    ),
+    Entry(
+        "jtj/jtv",
+        _gram,
+        lambda j, e: (j.T @ j, j.T @ e),
+        _jacobian_inputs,
+        walker_outputs=False,
+    ),
+    Entry("natural_gradient", _solver, _solver_reference, _jacobian_inputs, differentiable=False, walker_outputs=False),
+    Entry("optax.natural_gradient", _chain, _solver_reference, _jacobian_inputs, False, walker_outputs=False),
+    Entry("statistics", _stats, _stats_reference, _series, differentiable=False, walker_outputs=False),
+)
+
+
+# ---- transforms: (run f, run the reference) -> outputs to compare -------------------------------------
+
+
+def _loss(out: Any) -> jax.Array:
+    return sum(jnp.sum(jnp.sin(leaf)) for leaf in jax.tree_util.tree_leaves(out))
+
+
+def _eager(f, x, *rest):
+    return f(x, *rest)
+
+
+def _jit(f, x, *rest):
+    return jax.jit(f)(x, *rest)
+
+
+def _grad(f, x, *rest):
+    return jax.grad(lambda x: _loss(f(x, *rest)))(x)
+
+
+def _value_and_grad(f, x, *rest):
+    return jax.jit(jax.value_and_grad(lambda x: _loss(f(x, *rest))))(x)
+
+
+def _vjp(f, x, *rest):
+    out, pull = jax.vjp(lambda x: f(x, *rest), x)
+    return out, pull(jax.tree_util.tree_map(jnp.cos, out))
+
+
+def _jvp(f, x, *rest):
+    tangent = jax.tree_util.tree_map(lambda a: jnp.full_like(a, 0.3), x)
+    return jax.jvp(lambda x: f(x, *rest), (x,), (tangent,))
+
+
+def _vmap(f, x, *rest):
+    xs = jax.tree_util.tree_map(lambda a: jnp.stack([a, 1.1 * a]), x)
+    return jax.vmap(lambda x: f(x, *rest))(xs)
+
+
+def _scan(f, x, *rest):
+    def step(carry, scale):
+        return carry, f(jax.tree_util.tree_map(lambda a: scale * a, x), *rest)
+
+    return jax.lax.scan(step, 0.0, jnp.array([1.0, 0.9]))[1]
+
+
+def _cond(f, x, *rest):
+    other = lambda x: jax.tree_util.tree_map(jnp.zeros_like, f(x, *rest))  # noqa: E731
+    return jax.jit(lambda x, flag: jax.lax.cond(flag, lambda x: f(x, *rest), other, x))(x, True)
+
+
+def _checkpoint(f, x, *rest):
+    return jax.grad(jax.checkpoint(lambda x: _loss(f(x, *rest))))(x)
+
+
+def _eval_shape(f, x, *rest):
+    shapes = jax.eval_shape(f, *[_abstract(a) for a in (x, *rest)])
+    return jax.tree_util.tree_map(lambda s: np.zeros(s.shape, s.dtype), shapes)
+
+
+def _aot(f, x, *rest):
+    compiled = jax.jit(f).lower(*[_abstract(a) for a in (x, *rest)]).compile()
+    return compiled(x, *rest)
+
+
+def _abstract(tree: Any) -> Any:
+    return jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(np.shape(a), jnp.result_type(a)), tree)
+
+
+TRANSFORMS: dict[str, tuple[Callable[..., Any], bool]] = {  # name: (transform, differentiates)
+    "eager": (_eager, False),
+    "jit": (_jit, False),
+    "grad": (_grad, True),
+    "value_and_grad": (_value_and_grad, True),
+    "vjp": (_vjp, True),
+    "jvp": (_jvp, True),
+    "vmap": (_vmap, False),
+    "scan": (_scan, False),
+    "cond": (_cond, False),
+    "checkpoint": (_checkpoint, True),
+    "eval_shape": (_eval_shape, False),
+    "lower_compile": (_aot, False),
+}
+TRACED = set(TRANSFORMS) - {"eager"}
+
+
+# ---- mesh contexts ------------------------------------------------------------------------------------
+
+
+def _devices(d: int) -> list[Any]:
+    return jax.devices()[:d]
+
+
+@contextlib.contextmanager
+def _global_mesh(mesh: Any) -> Iterator[None]:
+    jax.sharding.set_mesh(mesh)  # as another library does at import (NetKet: ("S",))
+    try:
+        yield
+    finally:
+        jax.sharding.set_mesh(None)
+
+
+def _explicit(d: int, name: str) -> Any:
+    return jax.make_mesh((d,), (name,), devices=_devices(d))
+
+
+# name: (mesh given to the entry point, context manager, inputs committed to a mesh)
+CONTEXTS: dict[str, Callable[[int], tuple[Any, Any, Any]]] = {
+    "mesh=": lambda d: (sv.create_mesh(_devices(d)), contextlib.nullcontext(), None),
+    "mesh= explicit": lambda d: (_explicit(d, "walkers"), contextlib.nullcontext(), None),
+    "use_mesh": lambda d: (None, sv.use_mesh(sv.create_mesh(_devices(d))), None),
+    "set_mesh auto": lambda d: (None, jax.set_mesh(sv.create_mesh(_devices(d))), None),
+    "set_mesh explicit": lambda d: (None, jax.set_mesh(_explicit(d, "walkers")), None),
+    "set_mesh other axis": lambda d: (None, jax.set_mesh(_explicit(d, "S")), None),
+    "global set_mesh other axis": lambda d: (None, _global_mesh(_explicit(d, "S")), None),
+    "mesh= inside another mesh": lambda d: (
+        sv.create_mesh(_devices(d)),
+        jax.set_mesh(jax.make_mesh((len(jax.devices()),), ("S",))),
+        None,
+    ),
+    "inputs on a sub-mesh": lambda d: (None, contextlib.nullcontext(), sv.create_mesh(_devices(d))),
+}
+
+
+def _expected_error(context: str, transform: str, d: int) -> type[Exception] | None:
+    if context == "mesh= inside another mesh" and transform in TRACED and d != len(jax.devices()):
+        return sv.CallError
+    if context == "inputs on a sub-mesh" and transform in TRACED - {"eval_shape"} and d != len(jax.devices()):
+        return ValueError
+    return None
+
+
+# ---- the sample ---------------------------------------------------------------------------------------
+
+
+def _cells() -> list[tuple[str, str, str, int, str]]:
+    rng = random.Random(SEED)
+    entries = [e.name for e in ENTRIES]
+    usable = {e.name: [t for t, (_, diff) in TRANSFORMS.items() if e.differentiable or not diff] for e in ENTRIES}
+    if os.environ.get("SHARDVMC_CONFORMANCE") == "full":
+        return [(e, t, c, d, n) for e in entries for t in usable[e] for c in CONTEXTS for d in DEVICES for n in COUNTS]
+    cells: set[tuple[str, str, str]] = set()
+    contexts = list(CONTEXTS)
+    for e in entries:  # every (entry point, transform) pair
+        for t in usable[e]:
+            cells.add((e, t, rng.choice(contexts)))
+    for t in TRANSFORMS:  # every (transform, context) pair
+        for c in contexts:
+            if not any(cell[1] == t and cell[2] == c for cell in cells):
+                cells.add((rng.choice([e for e in entries if t in usable[e]]), t, c))
+    for e in entries:  # every (entry point, context) pair
+        for c in contexts:
+            if not any(cell[0] == e and cell[2] == c for cell in cells):
+                cells.add((e, rng.choice(usable[e]), c))
+    ordered = sorted(cells)
+    return [(e, t, c, rng.choice(DEVICES), rng.choice(COUNTS)) for e, t, c in ordered]
+
+
+CELLS = _cells()
+ENTRY = {e.name: e for e in ENTRIES}
+
+
+def test_the_sample_covers_every_pair():
+    seen_et = {(e, t) for e, t, *_ in CELLS}
+    seen_tc = {(t, c) for _, t, c, *_ in CELLS}
+    seen_ec = {(e, c) for e, _, c, *_ in CELLS}
+    for e in ENTRIES:
+        for t, (_, diff) in TRANSFORMS.items():
+            if e.differentiable or not diff:
+                assert (e.name, t) in seen_et
+        assert all((e.name, c) in seen_ec for c in CONTEXTS)
+    assert all((t, c) in seen_tc for t in TRANSFORMS for c in CONTEXTS)
+    assert {d for *_, d, _ in CELLS} == set(DEVICES) and {n for *_, n in CELLS} == set(COUNTS)
+
+
+def _walker_count(d: int, count: str) -> int:
+    return 4 * d if count == "divisible" else 4 * d + 1 if d > 1 else 5
+
+
+@pytest.mark.parametrize(
+    ("entry", "transform", "context", "d", "count"), CELLS, ids=["|".join(map(str, c)) for c in CELLS]
+)
+def test_cell(entry: str, transform: str, context: str, d: int, count: str) -> None:
+    e = ENTRY[entry]
+    run, _ = TRANSFORMS[transform]
+    n = _walker_count(d, count)
+    inputs = e.inputs(n)
+    expected = run(e.reference, *inputs)
+    mesh, ctx, committed = CONTEXTS[context](d)
+    if committed is not None:  # left there by kernels on that mesh: walker data sharded, the rest replicated
+        inputs = tuple(
+            sv.shard_walker(a, committed) if np.ndim(a) and np.shape(a)[0] == n else sv.replicate(a, committed)
+            for a in inputs
+        )
+    error = _expected_error(context, transform, d)
+    with ctx:
+        f = e.make(mesh)
+        if error is not None:
+            with pytest.raises(error):
+                jax.block_until_ready(run(f, *inputs))
+            return
+        got = run(f, *inputs)
+    assert jax.tree_util.tree_structure(got) == jax.tree_util.tree_structure(expected)
+    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(expected)):
+        assert np.shape(a) == np.shape(b)
+        if transform != "eval_shape":
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=RTOL, atol=1e-12)
+
+
+def test_a_repeated_call_in_every_context_reuses_its_program():
+    """Calls in one context after calls in another give the same results: nothing depends on call history."""
+    e = ENTRY["walker_parallel"]
+    p, r = e.inputs(13)
+    expected = e.reference(p, r)
+    kernel = e.make(sv.create_mesh(_devices(3)))
+    order = ["mesh=", "mesh= inside another mesh", "mesh=", "set_mesh other axis", "mesh="]
+    for context in order + order[::-1]:
+        _, ctx, _ = CONTEXTS[context](3)
+        with ctx:
+            got = kernel(p, r)
+        for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(expected)):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=RTOL)

@@ -1,0 +1,208 @@
+"""Each of other libraries' internals that shardvmc uses (``shardvmc/_internals.py``), pinned by a test.
+
+Every test here fails when the internal it checks changes in a new JAX (or folx): it is
+the signal to revisit the function in ``_internals`` (and, where the comment there says
+so, to delete it).
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import shardvmc as sv
+from shardvmc import _internals
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# ---------------------------------------------------------------- the current mesh
+
+
+def test_get_concrete_mesh_is_jax_private_getter_and_reads_set_mesh():
+    from jax._src.mesh import get_concrete_mesh
+
+    assert _internals.get_concrete_mesh is get_concrete_mesh  # not the public fallback
+    mesh = sv.create_mesh(jax.devices()[:2])
+    outside = _internals.get_concrete_mesh()
+    assert outside is None or outside.empty
+    with jax.set_mesh(mesh):
+        assert _internals.get_concrete_mesh() == mesh
+        # and while tracing, where the public jax.sharding.get_mesh refuses
+        seen = []
+        jax.jit(lambda x: seen.append(_internals.get_concrete_mesh()) or x)(jnp.ones(2))
+        assert seen == [mesh]
+
+
+# ---------------------------------------------------------------- the backend, before and after it starts
+
+
+def test_backends_initialized_and_distributed_settings_in_a_fresh_process():
+    code = textwrap.dedent(
+        """
+        import jax
+        from shardvmc import _internals
+        print(_internals.backends_initialized(), _internals.distributed_settings()["coordinator_address"])
+        jax.devices()
+        print(_internals.backends_initialized())
+        """
+    )
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["False", "None", "True"]
+
+
+def test_backends_initialized_in_this_process():
+    jax.devices()
+    assert _internals.backends_initialized()
+
+
+# ---------------------------------------------------------------- gloo's host
+
+
+def test_jax_builds_gloo_through_the_factory_that_pin_gloo_host_wraps(monkeypatch):
+    from jax._src import xla_bridge
+
+    module = xla_bridge._jax  # pyright: ignore[reportPrivateImportUsage]
+    # the factory takes the host and interface, and JAX's CPU client calls it through this module attribute
+    assert "hostname" in (module.make_gloo_tcp_collectives.__doc__ or "")
+    assert "interface" in (module.make_gloo_tcp_collectives.__doc__ or "")
+    assert "_jax.make_gloo_tcp_collectives(" in inspect.getsource(xla_bridge.make_cpu_client)
+
+    calls: list[dict[str, Any]] = []
+    monkeypatch.setattr(module, "make_gloo_tcp_collectives", lambda **kw: calls.append(kw) or "collectives")
+    assert _internals.gloo_host() is None
+    assert _internals.pin_gloo_host("127.0.0.1")
+    assert _internals.pin_gloo_host("::1")  # again: the factory is wrapped once, with the new host
+    assert _internals.gloo_host() == "::1"
+    assert module.make_gloo_tcp_collectives(distributed_client="client") == "collectives"
+    module.make_gloo_tcp_collectives(distributed_client="client", interface="eth0")
+    assert calls == [
+        {"distributed_client": "client", "hostname": "::1"},
+        {"distributed_client": "client", "interface": "eth0"},  # someone else's choice is kept
+    ]
+
+
+# ---------------------------------------------------------------- the distributed runtime
+
+
+class _Runtime:
+    """Stands for one of JAX's runtime objects: records whether JAX shut it down."""
+
+    def __init__(self, log: list[str], name: str) -> None:
+        self.log, self.name = log, name
+
+    def shutdown(self) -> None:
+        self.log.append(self.name)
+
+
+def _fake_runtime(monkeypatch: pytest.MonkeyPatch) -> tuple[Any, list[str], list[_Runtime]]:
+    from jax._src.distributed import global_state
+
+    log: list[str] = []
+    objs = [_Runtime(log, name) for name in ("preemption_sync_manager", "client", "service")]
+    for obj in objs:
+        monkeypatch.setattr(global_state, obj.name, obj)
+    return global_state, log, objs
+
+
+def test_jax_shuts_down_exactly_the_runtime_objects_detach_takes(monkeypatch):
+    """What JAX's exit handler (jax.distributed.shutdown) shuts down, in its order, is what detaching takes."""
+    _, log, _ = _fake_runtime(monkeypatch)
+    assert jax.distributed.is_initialized()  # JAX reads its state from the same place
+    jax.distributed.shutdown()
+    assert log == ["preemption_sync_manager", "client", "service"]
+    assert not jax.distributed.is_initialized()
+
+
+def test_detach_distributed_runtime_leaves_jax_nothing_to_wait_for(monkeypatch):
+    state, log, objs = _fake_runtime(monkeypatch)
+    counts = [sys.getrefcount(obj) for obj in objs]
+    assert _internals.detach_distributed_runtime()
+    assert not jax.distributed.is_initialized()
+    jax.distributed.shutdown()  # what JAX's exit handler does: nothing left to shut down, no barrier
+    assert log == []
+    assert all(getattr(state, obj.name) is None for obj in objs)
+    # JAX's state let go of them, and the reference it held is kept, never released: no destructor runs
+    assert [sys.getrefcount(obj) for obj in objs] == counts
+
+
+def test_distributed_settings_reads_what_jax_settled_on(monkeypatch):
+    from jax._src.distributed import global_state
+
+    monkeypatch.setattr(global_state, "coordinator_address", "10.0.0.1:1234")
+    monkeypatch.setattr(global_state, "num_processes", 4)
+    monkeypatch.setattr(global_state, "process_id", 3)
+    assert _internals.distributed_settings() == {
+        "coordinator_address": "10.0.0.1:1234",
+        "num_processes": 4,
+        "process_id": 3,
+    }
+
+
+# ---------------------------------------------------------------- the varying-axes verdict
+
+
+def _checked(mesh: Any, out_specs: Any, fn: Any) -> Any:
+    return jax.shard_map(fn, mesh=mesh, in_specs=P("walkers"), out_specs=out_specs, check_vma=True)
+
+
+def test_vma_check_verdict_reads_the_outputs_jax_finds_varying():
+    mesh = sv.create_mesh(jax.devices()[:2])
+    x = jax.ShapeDtypeStruct((4,), jnp.float32)
+
+    def body(r: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        return jax.lax.psum(r.sum(), "walkers"), r.sum(), r * 2  # replicated, device-local, per walker
+
+    varying = _checked(mesh, (P(), P(), P("walkers")), body)
+    assert _internals.vma_check_verdict(lambda: jax.eval_shape(varying, x)) == [1]
+    both = _checked(mesh, (P(), P()), lambda r: (r.sum(), r.max()))
+    assert _internals.vma_check_verdict(lambda: jax.eval_shape(both, x)) == [0, 1]
+    proven = _checked(mesh, P(), lambda r: jax.lax.psum(r.sum(), "walkers"))
+    assert _internals.vma_check_verdict(lambda: jax.eval_shape(proven, x)) == []
+
+
+def test_vma_check_verdict_cannot_tell_other_failures():
+    def fails(error: BaseException) -> Any:
+        def trace() -> None:
+            raise error
+
+        return trace
+
+    assert _internals.vma_check_verdict(fails(ValueError("out_specs[0] is P() but something else"))) is None
+    assert _internals.vma_check_verdict(fails(TypeError("no"))) is None
+    assert _internals.vma_check_verdict(fails(SystemExit(None))) is None  # folx's exit() while tracing
+
+
+def test_folx_still_calls_exit_while_tracing():
+    """The reason vma_check_verdict catches SystemExit; when this fails, folx dropped it and the catch can go."""
+    interpreter = pytest.importorskip("folx.interpreter")
+    assert "exit()" in inspect.getsource(interpreter)
+
+
+# ---------------------------------------------------------------- the quarantine itself
+
+# The modules allowed to name another library's private modules: _internals (JAX), _kfac_compat (kfac-jax), and
+# _compat until its current-mesh getter comes from _internals.
+QUARANTINE = {"_internals", "_kfac_compat"}
+
+
+def test_only_the_compatibility_modules_reach_into_private_modules():
+    found = {}
+    for path in sorted((ROOT / "shardvmc").glob("*.py")):
+        text = path.read_text()
+        uses = [word for word in ("jax._src", "kfac_jax._src", "ctypes") if word in text]
+        if uses and path.stem not in QUARANTINE:
+            found[path.name] = uses
+    assert not found, f"private APIs outside shardvmc/_internals.py: {found}; add a function there instead."
