@@ -1,3 +1,4 @@
+# --8<-- [start:devices]
 """Give the test process 8 fake CPU devices before JAX starts its backend.
 
 This file sits at the repository root so that it runs before anything imports a JAX
@@ -18,15 +19,6 @@ from shardvmc.testing import set_cpu_devices  # noqa: E402  (imports jax, starts
 
 set_cpu_devices(8)
 
-from pathlib import Path  # noqa: E402
-
-import pytest  # noqa: E402
-
-PACKAGE = Path(__file__).resolve().parent / "shardvmc"
-# The modules whose doctests need kfac-jax, which may be installed without supporting the installed JAX (kfac-jax
-# 0.0.8 cannot be imported on JAX >= 0.11): there each is collected as one skip with the reason, not as an error.
-NEEDS_KFAC_JAX = {"kfac.py", "_kfac_compat.py"}
-
 
 def pytest_collection_modifyitems(items):
     """Run every docstring example with only the names it imports itself, as a reader's copy runs.
@@ -38,6 +30,19 @@ def pytest_collection_modifyitems(items):
         dtest = getattr(item, "dtest", None)
         if dtest is not None:
             dtest.globs = {"__name__": dtest.globs.get("__name__", "__main__")}
+
+
+# --8<-- [end:devices]
+
+# The doctests of the modules that need kfac-jax, which may be installed without supporting the
+# installed JAX (kfac-jax 0.0.8 cannot be imported on JAX >= 0.11): there each module is collected
+# as one skip with the reason (shardvmc.kfac's ImportError: the versions and the fix), not as an error.
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+PACKAGE = Path(__file__).resolve().parent / "shardvmc"
+NEEDS_KFAC_JAX = {"kfac.py", "_kfac_compat.py"}
 
 
 class _Skipped(pytest.File):
