@@ -1,3 +1,4 @@
+# --8<-- [start:devices]
 """Give the test process 8 fake CPU devices before JAX starts its backend.
 
 This file sits at the repository root so that it runs before anything imports a JAX
@@ -29,3 +30,48 @@ def pytest_collection_modifyitems(items):
         dtest = getattr(item, "dtest", None)
         if dtest is not None:
             dtest.globs = {"__name__": dtest.globs.get("__name__", "__main__")}
+
+
+# --8<-- [end:devices]
+
+# The doctests of the modules that need kfac-jax, which may be installed without supporting the
+# installed JAX (kfac-jax 0.0.8 cannot be imported on JAX >= 0.11): there each module is collected
+# as one skip with the reason (shardvmc.kfac's ImportError: the versions and the fix), not as an error.
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+PACKAGE = Path(__file__).resolve().parent / "shardvmc"
+NEEDS_KFAC_JAX = {"kfac.py", "_kfac_compat.py"}
+
+
+class _Skipped(pytest.File):
+    """A module whose doctests cannot run here, collected as one skip."""
+
+    reason = ""
+
+    def collect(self):
+        pytest.skip(self.reason)
+
+
+def _kfac_jax_unusable() -> str | None:
+    """Why kfac-jax cannot be imported here (shardvmc.kfac's message: the versions and the fix), or None."""
+    try:
+        import kfac_jax  # noqa: F401
+    except Exception:  # not only ImportError: kfac-jax 0.0.8 on JAX >= 0.11 raises AttributeError
+        try:
+            import shardvmc.kfac  # noqa: F401
+        except ImportError as err:
+            return str(err)
+        return "kfac-jax cannot be imported here"
+    return None
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_collect_file(file_path, parent):
+    collected = yield
+    if file_path.parent == PACKAGE and file_path.name in NEEDS_KFAC_JAX and (reason := _kfac_jax_unusable()):
+        skipped = _Skipped.from_parent(parent, path=file_path)
+        skipped.reason = reason
+        return [skipped]
+    return collected

@@ -7,8 +7,9 @@ Two kinds of thing live here:
 - read-only access to the optimiser's curvature estimator (its blocks, its traced
   program, its own per-step decisions), which kfac-jax keeps in private attributes.
 
-Importing this module imports kfac-jax; ``shardvmc.kfac`` turns a missing kfac-jax into
-an ``ImportError`` that says how to install it.
+Importing this module imports kfac-jax; ``shardvmc.kfac`` turns a missing kfac-jax, or
+one that cannot be imported on the installed JAX, into an ``ImportError`` that says why
+and how to fix it.
 """
 
 from __future__ import annotations

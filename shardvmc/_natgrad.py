@@ -570,7 +570,9 @@ def natural_gradient(
             )
         scalars["previous"] = flat_prev.astype(out_dtype)
     count_arr = jnp.asarray(count, jnp.int32)
-    if concrete:
+    # The compiled program takes no tracers: a traced damping, momentum, tol, rcond or previous (a schedule under
+    # optax.inject_hyperparams in a jitted step) with concrete walker data is traced in with the caller's program.
+    if concrete and not any(isinstance(x, Tracer) for x in jax.tree_util.tree_leaves(scalars)):
         walker = NamedSharding(mesh, PartitionSpec(axis_name))
         replicated = NamedSharding(mesh, PartitionSpec())
         args = (

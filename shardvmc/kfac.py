@@ -46,7 +46,10 @@ split evenly over the mesh is refused (``CallError``), and a ``WalkerSet`` with 
 is passed without it when its valid walkers split evenly.
 
 Importing this module applies, when the installed kfac-jax needs it, the fix of kfac-jax
-0.0.8 for JAX >= 0.9.2 (:data:`KFAC_JAX_PATCHED`; see ``shardvmc/_kfac_compat.py``).
+0.0.8 for JAX >= 0.9.2 (:data:`KFAC_JAX_PATCHED`; see ``shardvmc/_kfac_compat.py``). On a
+JAX that kfac-jax cannot be imported on (0.0.8 on JAX >= 0.11), importing it raises an
+``ImportError`` naming both versions and the fix (``pip install "shardvmc[kfac]"``, whose
+extra pins JAX below 0.11).
 
 Example:
     >>> import jax, jax.numpy as jnp, kfac_jax, shardvmc as sv, shardvmc.kfac
@@ -73,9 +76,38 @@ from typing import Any
 
 try:
     import kfac_jax
-except ImportError as err:  # pragma: no cover - exercised in a subprocess by the tests
+except Exception as err:  # tested with a stand-in kfac_jax (tests/test_extras.py)
+    # Any failure, not only ImportError: kfac-jax 0.0.8 (the newest release) uses jax.core names that JAX 0.11
+    # removed, so on a newer JAX its import raises AttributeError. The `kfac` and `examples` extras pin JAX below
+    # 0.11 until a kfac-jax release supports it (pyproject.toml says where that is tracked).
+    import importlib.metadata
+
+    import jax
+
+    from ._errors import message
+
+    if isinstance(err, ModuleNotFoundError) and err.name == "kfac_jax":
+        raise ImportError(
+            message(
+                "shardvmc.kfac",
+                "needs kfac-jax, which is not installed.",
+                fix='pip install "shardvmc[kfac]" (kfac-jax with a JAX it supports), or pip install kfac-jax.',
+            )
+        ) from err
+    try:
+        _found = f"kfac-jax {importlib.metadata.version('kfac-jax')}"
+    except importlib.metadata.PackageNotFoundError:
+        _found = "kfac-jax (version unknown)"
     raise ImportError(
-        "shardvmc.kfac needs kfac-jax, which is not installed: pip install shardvmc[kfac] (or pip install kfac-jax)."
+        message(
+            "shardvmc.kfac",
+            f"{_found} cannot be imported with JAX {jax.__version__}.",
+            got=f"{type(err).__name__}: {err}",
+            expected="JAX < 0.11 for kfac-jax <= 0.0.8 (JAX 0.11 removed jax.core names it uses), or a kfac-jax "
+            "release that supports this JAX",
+            fix='pip install "shardvmc[kfac]", which installs a JAX that kfac-jax supports (or pip install '
+            '"jax<0.11" "jaxlib<0.11"; jax 0.10.2 has wheels for Python 3.11 to 3.13).',
+        )
     ) from err
 
 import jax

@@ -13,6 +13,14 @@ Signs follow optax: the natural-gradient transform outputs the descent direction
 gradient (positive along the energy gradient), and ``optax.scale_by_learning_rate``
 flips it, so ``optax.apply_updates(params, updates)`` steps downhill.
 
+Every numeric hyperparameter can be scheduled with ``optax.inject_hyperparams``:
+``damping``, ``momentum``, ``tol`` and ``rcond`` of :func:`natural_gradient`,
+``max_norm`` and ``learning_rate`` of :func:`clip_by_fisher_norm`, eagerly and under
+``jax.jit``. The integer settings (``maxiter``, ``chunks``, ``memory_budget``) shape the
+compiled program, so they stay Python values: their defaults are ``None`` (which
+``inject_hyperparams`` leaves alone), and one passed explicitly through
+``inject_hyperparams`` goes in its ``static_args``.
+
 The module is named after the library whose interface it implements, as
 ``shardvmc.kfac`` is; import it as ``import shardvmc.optax as svx`` (``import optax``
 inside your code still means optax).
@@ -47,6 +55,7 @@ except ImportError as err:  # pragma: no cover - optax comes with the optax and 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.core import Tracer
 from jax.flatten_util import ravel_pytree
 from jax.sharding import Mesh
 
@@ -101,6 +110,33 @@ def _required(where: str, name: str, value: Any) -> Any:
     return value
 
 
+def _static_int(where: str, name: str, value: Any) -> int | None:
+    """An integer setting as a Python int (``None`` kept): it keys the compiled program, so it cannot be traced.
+
+    ``optax.inject_hyperparams`` turns every number it is given into an array in its
+    state (traced under ``jax.jit``). An integer setting that reaches the factory as an
+    array was injected; it is refused even when concrete, so that the eager call fails
+    as the jitted one would, with the fix.
+    """
+    if value is None:
+        return None
+    if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+        return int(value)
+    if isinstance(value, (jax.Array, Tracer)):
+        raise CallError(
+            message(
+                where,
+                f"{name} is an array (optax.inject_hyperparams makes one of every number it is given), but it "
+                "keys the compiled program and must be a Python int.",
+                got=f"{name} of dtype {value.dtype}" + (", traced" if isinstance(value, Tracer) else ""),
+                fix=f'name it in static_args: optax.inject_hyperparams(svx.natural_gradient, static_args=("{name}",)).',
+            )
+        )
+    raise CallError(
+        message(where, f"{name} must be a Python int or None.", got=repr(value), fix=f"pass e.g. {name}=4.")
+    )
+
+
 def _like(direction: Any, updates: Any, where: str) -> Any:
     """``direction`` (J's parameter structure) in the structure and dtypes of ``updates``."""
     d_leaves, d_tree = jax.tree_util.tree_flatten(direction)
@@ -131,7 +167,7 @@ def natural_gradient(
     solver: str = "cholesky",
     rcond: float = 1e-10,
     tol: float = 1e-6,
-    maxiter: int = 200,
+    maxiter: int | None = None,
     precondition: bool | None = None,
     chunks: int | None = None,
     memory_budget: int | None = None,
@@ -157,15 +193,21 @@ def natural_gradient(
         solver: ``"cholesky"`` or ``"eigh"``.
         rcond: the eigenvalue cutoff of ``solver="eigh"``.
         tol: CG's relative residual target.
-        maxiter: CG's iteration limit.
+        maxiter: CG's iteration limit (``None``: ``sv.natural_gradient``'s, 200). A Python
+            int: under ``optax.inject_hyperparams`` name it in ``static_args`` when you
+            pass it (the ``None`` default is left static by optax).
         precondition: CG's Jacobi preconditioner (``None``: when P <= N).
-        chunks: minSR/SPRING parameter slices.
-        memory_budget: bytes per device.
+        chunks: minSR/SPRING parameter slices (a Python int, as ``maxiter``).
+        memory_budget: bytes per device (a Python int, as ``maxiter``).
         mesh: the mesh (default: resolved per call).
         axis_name: the walker axis of ``mesh``.
 
     Returns:
         An ``optax.GradientTransformationExtraArgs`` with :class:`NaturalGradientState`.
+
+    Raises:
+        CallError: for an integer setting given as an array (``optax.inject_hyperparams``
+            injected it: list it in ``static_args``).
 
     Example:
         >>> import jax, jax.numpy as jnp, shardvmc as sv, shardvmc.optax as svx
@@ -176,7 +218,11 @@ def natural_gradient(
         >>> bool(jnp.allclose(d, sv.natural_gradient(J, e, damping=1e-3, method="dense")[0]))
         True
     """
+    where = "shardvmc.optax.natural_gradient"
     spring = method == "spring"
+    # damping, momentum, rcond and tol may be arrays, traced under jax.jit when optax.inject_hyperparams schedules
+    # them: sv.natural_gradient passes them into its compiled solve as values. The integer settings key the
+    # compilation and must be Python ints.
     options: dict[str, Any] = dict(
         damping=damping,
         method=method,
@@ -185,13 +231,14 @@ def natural_gradient(
         solver=solver,
         rcond=rcond,
         tol=tol,
-        maxiter=maxiter,
         precondition=precondition,
-        chunks=chunks,
-        memory_budget=memory_budget,
+        chunks=_static_int(where, "chunks", chunks),
+        memory_budget=_static_int(where, "memory_budget", memory_budget),
         mesh=mesh,
         axis_name=axis_name,
     )
+    if (maxiter := _static_int(where, "maxiter", maxiter)) is not None:
+        options["maxiter"] = maxiter
 
     def init(params: Any) -> NaturalGradientState:
         flat = ravel_pytree(params)[0]
@@ -210,7 +257,6 @@ def natural_gradient(
         **extra_args: Any,
     ) -> tuple[Any, NaturalGradientState]:
         del params, extra_args  # the other transforms' extra arguments
-        where = "shardvmc.optax.natural_gradient"
         jacobian = _required(where, "jacobian", jacobian)
         local_energies = _required(where, "local_energies", local_energies)
         # The previous direction is flat; sv.natural_gradient reads any structure with P entries in J's order.
@@ -228,6 +274,12 @@ def natural_gradient(
 
     # optax's protocols take the state as an ArrayTree; a transform's own NamedTuple state cannot be written so
     return optax.GradientTransformationExtraArgs(init, update)  # pyright: ignore[reportArgumentType]
+
+
+def _real_dtype(x: Any) -> Any:
+    """The real dtype of ``x``'s values (float for an integer ``x``)."""
+    dtype = jnp.result_type(x)
+    return jnp.finfo(dtype).dtype if jnp.issubdtype(dtype, jnp.inexact) else jnp.result_type(float)
 
 
 def _rows_times(jacobian: Any, updates: Any, where: str) -> jax.Array:
@@ -269,7 +321,11 @@ def clip_by_fisher_norm(
     Args:
         max_norm: the largest ``lr^2 d.S.d`` of a step.
         learning_rate: the learning rate or schedule (evaluated at the step count, as
-            ``optax.scale_by_learning_rate`` does).
+            ``optax.scale_by_learning_rate`` does). Both it and ``max_norm`` may be
+            scheduled with ``optax.inject_hyperparams``, and both are used in the
+            precision of the updates: a float32 schedule in a float64 run costs no
+            precision (the step is ``sqrt(max_norm / d.S.d) d`` to float64 round-off
+            when the constraint binds).
         mesh: the mesh (default: resolved per call).
         axis_name: the walker axis of ``mesh``.
 
@@ -307,10 +363,14 @@ def clip_by_fisher_norm(
             n_valid = count
         ju = _rows_times(jacobian, updates, where)
         mean_sq, mean = walker_mean((jnp.abs(ju) ** 2, ju), n_valid, mesh=mesh, axis_name=axis_name)
-        d_s_d = mean_sq - jnp.abs(mean) ** 2
-        lr = jnp.asarray(schedule(state.count))
-        bound = max_norm / jnp.maximum(lr**2 * d_s_d, jnp.finfo(d_s_d.dtype).tiny)
-        scale = jnp.minimum(1.0, jnp.sqrt(bound)).astype(d_s_d.dtype)
+        # In the precision of the updates (or of J d, if higher), whatever dtype the learning rate and max_norm
+        # come in: optax's schedules return float32 even in a float64 run, and lr^2 taken in float32 would put
+        # float32 round-off into the step, which scale_by_learning_rate then multiplies by that same lr exactly.
+        dtype = jnp.result_type(mean_sq, *(_real_dtype(u) for u in jax.tree_util.tree_leaves(updates)))
+        d_s_d = (mean_sq - jnp.abs(mean) ** 2).astype(dtype)
+        lr = jnp.asarray(schedule(state.count)).astype(dtype)
+        bound = jnp.asarray(max_norm).astype(dtype) / jnp.maximum(lr**2 * d_s_d, jnp.finfo(dtype).tiny)
+        scale = jnp.minimum(1.0, jnp.sqrt(bound))
         clipped = jax.tree_util.tree_map(lambda u: (u * scale).astype(u.dtype), updates)
         return clipped, FisherNormState(jnp.asarray(optax.safe_increment(state.count)), scale.astype(state.scale.dtype))
 

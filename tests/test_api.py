@@ -4,6 +4,9 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+from optional_imports import import_or_skip
+
 import shardvmc as sv
 
 PUBLIC = {
@@ -101,13 +104,15 @@ SUBMODULES = {  # optional extras: shardvmc.kfac (kfac-jax) and shardvmc.optax (
 }
 
 
-def test_optional_submodules_lock_their_public_names():
+@pytest.mark.parametrize("name", sorted(SUBMODULES))
+def test_optional_submodules_lock_their_public_names(name):
     import importlib
 
-    for name, names in SUBMODULES.items():
-        module = importlib.import_module(f"shardvmc.{name}")
-        assert set(module.__all__) == names, name
-        assert all(getattr(module, n).__doc__ for n in names if n != "KFAC_JAX_PATCHED"), name
+    import_or_skip({"kfac": "kfac_jax", "optax": "optax"}[name])  # kfac-jax 0.0.8 cannot be imported on JAX >= 0.11
+    module = importlib.import_module(f"shardvmc.{name}")
+    names = SUBMODULES[name]
+    assert set(module.__all__) == names
+    assert all(getattr(module, n).__doc__ for n in names if n != "KFAC_JAX_PATCHED")
 
 
 def test_no_cache_of_programs_grows_without_bound():

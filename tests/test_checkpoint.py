@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
+from optional_imports import import_or_skip
 
 import shardvmc as sv
 import shardvmc._checkpoint as checkpoint_module
@@ -1128,7 +1129,7 @@ def test_load_state_of_nothing(tmp_path: Path) -> None:
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # kfac-jax 0.0.8's own use of jax.core names
 def test_a_kfac_jax_optimiser_state_round_trips(tmp_path: Path) -> None:
-    kfac_jax = pytest.importorskip("kfac_jax")
+    kfac_jax = import_or_skip("kfac_jax")
 
     def loss(params: Any, batch: Any) -> jax.Array:
         x, y = batch

@@ -21,6 +21,7 @@ Conventions of the Markdown pages under docs/:
 The site itself is built by CI (``mkdocs build --strict``), and here when mkdocs is installed.
 """
 
+import ast
 import contextlib
 import dataclasses
 import doctest
@@ -36,6 +37,7 @@ from pathlib import Path
 
 import jax
 import pytest
+from optional_imports import unusable
 
 import shardvmc
 from shardvmc.testing import cpu_environment
@@ -48,6 +50,9 @@ SNIPPET = re.compile(r'^\s*--8<--\s+"(?P<path>[^":]+)(?::(?P<section>[\w-]+))?"\
 TITLE = re.compile(r'title="([^"]*)"')
 OUTPUT_TITLE = re.compile(r"Output(?: on (\d+) devices?)?")
 DIRECTIVE = re.compile(r"^:::\s+(?P<name>[\w.]+)\s*$", re.M)
+# Modules a block may import whose package can be installed without supporting the installed JAX (kfac-jax 0.0.8
+# cannot be imported on JAX >= 0.11): such a block is skipped there, with the reason, and the page's others run.
+NEEDS = {"kfac_jax": "kfac_jax", "shardvmc.kfac": "kfac_jax"}
 
 
 def _public_modules():
@@ -56,7 +61,7 @@ def _public_modules():
     for sub in ("testing", "distributed", "launch", "kfac", "optax", "mcmc", "hamiltonian"):
         try:
             module = importlib.import_module(f"shardvmc.{sub}")
-        except ImportError:  # a submodule not written yet
+        except ImportError:  # its optional dependency is missing, or cannot run on this JAX (shardvmc.kfac says which)
             continue
         out.append((f"shardvmc.{sub}", list(module.__all__)))
     return out
@@ -85,9 +90,12 @@ def test_every_public_name_is_in_the_api_reference(module, names):
 
 
 def test_api_reference_entries_exist():
-    stale = []
+    stale, unchecked = [], {}
     for name in sorted(_documented()):
         module_name, _, attr = name.rpartition(".")
+        if why := _cannot_import(name):
+            unchecked.setdefault(why, []).append(name)
+            continue
         try:
             importlib.import_module(name)
             continue
@@ -98,6 +106,7 @@ def test_api_reference_entries_exist():
         except (ImportError, AttributeError):
             stale.append(name)
     assert not stale, f"docs/api.md documents names that do not exist: {stale}"
+    _skip_if_any([f"{', '.join(names)} ({why})" for why, names in unchecked.items()], "the others exist; not checked")
 
 
 def test_the_check_sees_a_missing_name(tmp_path):
@@ -228,18 +237,54 @@ def _check_output(got: str, want: str) -> bool:
     return doctest.OutputChecker().check_output(want, got, doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
 
 
-def run_page(page: Path, n_devices: int) -> list[str]:
+def _imports(block: Block) -> set[str]:
+    """The modules a python or pycon block imports (``from a import b`` gives ``a`` and ``a.b``)."""
+    if block.lang == "python":
+        sources = [block.body]
+    else:
+        sources = [example.source for example in doctest.DocTestParser().get_examples(block.body)]
+    names = set()
+    for source in sources:
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.Import):
+                names.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                names.add(node.module)
+                names.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return names
+
+
+def _cannot_import(name: str) -> str | None:
+    """Why the module or attribute ``name`` cannot be imported here (it needs an unusable package), or None."""
+    for prefix, package in NEEDS.items():
+        if (name == prefix or name.startswith(prefix + ".")) and (reason := unusable(package)):
+            return reason
+    return None
+
+
+def _cannot_run(block: Block) -> str | None:
+    """Why the block cannot run here (a package it imports cannot be imported), or None."""
+    return next(filter(None, map(_cannot_import, sorted(_imports(block)))), None)
+
+
+def run_page(page: Path, n_devices: int, skipped: list[str] | None = None) -> list[str]:
     """Run the page's blocks in order in one namespace; the failures, ``docs/PAGE:LINE: what``.
 
-    A page stops at its first failure (the blocks after it would fail for want of its names).
+    A page stops at its first failure (the blocks after it would fail for want of its names). A
+    block that imports a package that cannot be imported here (``NEEDS``) is not run; it is
+    appended to ``skipped`` as ``docs/PAGE:LINE (why)``.
     """
     namespace: dict = {"__name__": "__main__"}  # names in outputs read as in a user's script
     name = f"docs/{page.name}"
     printed: str | None = None  # what the last python block printed
+    not_run = False  # whether the last block was one not run here (its Output block is not checked either)
     for block in _page_blocks(page):
         where = f"{name}:{block.line}"
         is_output, for_devices = _expected_output(block)
+        follows_not_run, not_run = not_run, False
         if is_output:
+            if follows_not_run:
+                continue
             if printed is None:
                 return [f"{where}: an Output block must follow a python block"]
             if for_devices in (None, n_devices) and not _check_output(printed, block.body):
@@ -253,6 +298,11 @@ def run_page(page: Path, n_devices: int) -> list[str]:
         if block.lang == "python" and lines and all(SNIPPET.match(x) or not x.strip() for x in lines):
             printed = None
             continue  # an included, separately tested file
+        if (why := _cannot_run(block)) is not None:
+            if skipped is not None:
+                skipped.append(f"{where} ({why})")
+            printed, not_run = None, True
+            continue
         stdout = io.StringIO()
         try:
             with contextlib.redirect_stdout(stdout):
@@ -281,10 +331,18 @@ ONE_DEVICE_WAIT_S = 900  # a bound against hangs only
 FAST_COMPILE_FLAGS = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true")
 
 
+def _skip_if_any(skipped: list[str], what: str = "the other blocks ran; not run") -> None:
+    """Skip the test (after its checks passed) when it left something out, saying what and why."""
+    if skipped:
+        pytest.skip(f"{what}: " + "; ".join(skipped))
+
+
 @pytest.mark.parametrize("page", RUNNABLE)
 def test_code_examples_run(page):
-    failures = run_page(DOCS / page, jax.device_count())
+    skipped: list[str] = []
+    failures = run_page(DOCS / page, jax.device_count(), skipped)
     assert not failures, "\n".join(failures)
+    _skip_if_any(skipped)
 
 
 def test_code_examples_run_on_one_device():
@@ -305,7 +363,21 @@ def test_code_examples_run_on_one_device():
         timeout=ONE_DEVICE_WAIT_S,
     )
     assert proc.returncode == 0, proc.stdout[-12000:] + proc.stderr[-4000:]
-    assert proc.stdout.split() == ["ran", "on", "1", "devices:", *RUNNABLE], proc.stdout + proc.stderr[-4000:]
+    ran, *not_run = proc.stdout.splitlines()
+    assert ran.split() == ["ran", "on", "1", "devices:", *RUNNABLE], proc.stdout + proc.stderr[-4000:]
+    _skip_if_any([line.removeprefix("skipped ") for line in not_run])
+
+
+def test_blocks_that_need_an_unusable_package_are_not_run_nor_their_output(tmp_path, monkeypatch):
+    monkeypatch.setitem(NEEDS, "not_a_module_anywhere", "not_a_module_anywhere")
+    page = tmp_path / "p.md"
+    page.write_text(
+        '```python\nimport not_a_module_anywhere\nprint(1)\n```\n\n```text title="Output"\n2\n```\n\n'
+        '```python\nprint(3)\n```\n\n```text title="Output"\n3\n```\n'
+    )
+    skipped = []
+    assert run_page(page, 1, skipped) == []
+    assert skipped == ["docs/p.md:2 (not_a_module_anywhere is not installed)"]
 
 
 def test_output_blocks_follow_the_code_they_quote(tmp_path):
@@ -353,6 +425,9 @@ def test_site_builds_strict(tmp_path):
 
 
 if __name__ == "__main__":  # the one-device run of test_code_examples_run_on_one_device: python test_docs.py PAGE...
-    failed = [f for page in sys.argv[1:] for f in run_page(DOCS / page, jax.device_count())]
+    not_run: list[str] = []
+    failed = [f for page in sys.argv[1:] for f in run_page(DOCS / page, jax.device_count(), not_run)]
     print("\n\n".join(failed) if failed else f"ran on {jax.device_count()} devices: {' '.join(sys.argv[1:])}")
+    for block in not_run if not failed else []:
+        print(f"skipped {block}")  # one line each (optional_imports gives one-line reasons)
     sys.exit(1 if failed else 0)

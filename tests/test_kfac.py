@@ -14,19 +14,17 @@ and shardvmc's one replicated state must be their average.
 from __future__ import annotations
 
 import functools
-import subprocess
-import sys
-import textwrap
 import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from optional_imports import import_or_skip
 
 import shardvmc as sv
 
-kfac_jax = pytest.importorskip("kfac_jax")
+kfac_jax = import_or_skip("kfac_jax")  # kfac-jax 0.0.8 cannot be imported on JAX >= 0.11: skipped, with the reason
 from models import kfac_loss, systems  # noqa: E402
 
 import shardvmc.kfac as svk  # noqa: E402
@@ -287,21 +285,6 @@ def test_the_eval_jaxpr_eqn_fix_is_applied_only_when_needed():
     else:
         assert tag_graph_matcher.eval_jaxpr_eqn is _kfac_compat.ORIGINAL_EVAL_JAXPR_EQN
     assert _kfac_compat._apply_fix() == svk.KFAC_JAX_PATCHED  # idempotent
-
-
-def test_importing_without_kfac_jax_says_how_to_install_it():
-    code = textwrap.dedent(
-        """
-        import sys
-        sys.modules["kfac_jax"] = None  # as if not installed
-        try:
-            import shardvmc.kfac
-        except ImportError as err:
-            print(err)
-        """
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
-    assert "pip install shardvmc[kfac]" in out.stdout
 
 
 # ----------------------------------------------------------------------------- as a user would call it

@@ -260,3 +260,20 @@ def test_cg_without_damping_on_a_parameter_that_never_moves(k):
     np.testing.assert_allclose(update, want, rtol=1e-9, atol=1e-9)
     np.testing.assert_allclose(update, dense, rtol=1e-9, atol=1e-9)
     assert int(info.iterations) > 0 and float(info.residual) < 1e-9
+
+
+def test_traced_hyperparameters_with_concrete_walker_data():
+    """A jitted step that closes over J and e and traces the damping and SPRING's state (a schedule under
+    ``optax.inject_hyperparams``): the solve is traced into the step, and equals numpy's."""
+    j, e = problem(seed=5)
+    previous = np.random.default_rng(6).normal(size=P)
+    mesh = sv.create_mesh(jax.devices()[:3])
+    with jax.enable_x64(True):
+        step = jax.jit(
+            lambda damping, previous: sv.natural_gradient(
+                j, e, n_valid=N_VALID, damping=damping, method="spring", momentum=0.5, previous=previous, mesh=mesh
+            )[0]
+        )
+        update = step(jnp.float64(0.05), jnp.asarray(previous))
+    want = reference(j, e, N_VALID, 0.05, momentum=0.5, previous=previous)
+    np.testing.assert_allclose(update, want, rtol=1e-9, atol=1e-9)

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from optional_imports import import_or_skip
 
 import shardvmc as sv
 
@@ -215,6 +216,7 @@ def _env() -> dict[str, str]:
 
 
 def test_a_copied_kfac_run_stops_on_sigterm_and_resumes_on_another_device_count(tmp_path):
+    import_or_skip("kfac_jax")
     folder = _copied_example(tmp_path)
     command = [sys.executable, "-u", "neural_vmc.py", "--quick", "--optimiser", "kfac", "--no-bar"]
     command += ["--print-every", "1", "--checkpoint", "run"]
