@@ -30,6 +30,8 @@ from ._errors import DecorationError as DecorationError
 from ._errors import ShardvmcError as ShardvmcError
 from ._errors import UnhashableStaticError as UnhashableStaticError
 from ._explain import CommunicationWarning as CommunicationWarning
+from ._explain import Explanation as Explanation
+from ._explain import ExplanationEntry as ExplanationEntry
 from ._kernel import PaddingWarning as PaddingWarning
 from ._markers import Mean as Mean
 from ._markers import PerWalker as PerWalker
@@ -67,7 +69,7 @@ from ._vmap import shard_vmap as shard_vmap
 from ._vmap import sharded_batched_vmap as sharded_batched_vmap
 from ._walkerset import WalkerSet as WalkerSet
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 __all__ = [
     "ArgumentsError",
@@ -76,6 +78,8 @@ __all__ = [
     "Checkpointer",
     "CommunicationWarning",
     "DecorationError",
+    "Explanation",
+    "ExplanationEntry",
     "Mean",
     "NaturalGradientInfo",
     "PaddingWarning",

@@ -7,7 +7,7 @@ import functools
 import sys
 import types
 from collections.abc import Callable
-from typing import Any, cast, overload
+from typing import TYPE_CHECKING, Any, cast, overload
 
 import jax
 import jax.numpy as jnp
@@ -33,7 +33,10 @@ from ._mesh import call_mesh, entered_mesh, mesh_of_arrays, onto_mesh
 from ._plan import KernelSpec, Plan, PlanKey, auto_signature, make_plan, pinned_out_shardings, raise_if_disagree
 from ._walkerset import WalkerSet, check_n_valid, first_count, split_walker_set
 
-__all__ = ["WalkerParallel", "replicated_args", "walker_parallel"]
+if TYPE_CHECKING:
+    from ._explain import Explanation
+
+__all__ = ["WalkerParallel", "kernel_of", "replicated_args", "walker_parallel"]
 
 # Argument types seen to be arrays (or tracers, numbers): nothing to split off, no flattening on the per-call
 # path. Learnt as arguments arrive (building a jax.Array here would start a backend at import).
@@ -459,7 +462,7 @@ class WalkerParallel:
 
         return jax.vmap(one, in_axes=in_axes)(*dyn)
 
-    def plan(self, *args: Any, n_valid: Any = None, **kwargs: Any) -> tuple[Plan, tuple[Any, ...], Any]:
+    def _plan_for(self, *args: Any, n_valid: Any = None, **kwargs: Any) -> tuple[Plan, tuple[Any, ...], Any]:
         """The plan these arguments run with, its traced arguments and traced ``n_valid`` (for ``explain``)."""
         args = self._arguments(args, kwargs)
         mesh, axis, _ = call_mesh(self._mesh, self._options.axis_name, self._qualname)
@@ -495,7 +498,7 @@ class WalkerParallel:
         with entered_mesh(enter, self._qualname):
             return jitted.lower(*args, **kw)
 
-    def explain(self, *args: Any, n_valid: Any = None, **kwargs: Any) -> Any:
+    def explain(self, *args: Any, n_valid: Any = None, **kwargs: Any) -> Explanation:
         """What the kernel will do with these arguments, as text (``str(...)``) and as data.
 
         Resolves the mesh, every parameter leaf's marker and PartitionSpec, the padding
@@ -523,7 +526,7 @@ class WalkerParallel:
                 )
             )
         args = self._arguments(args, kwargs)
-        plan, dyn, n_valid = self.plan(*args, n_valid=n_valid)
+        plan, dyn, n_valid = self._plan_for(*args, n_valid=n_valid)
         _, _, enter = call_mesh(self._mesh, self._options.axis_name, self._qualname)
         with entered_mesh(enter, self._qualname):
             lowered = plan.lower(dyn, n_valid)
@@ -541,6 +544,22 @@ class WalkerParallel:
         return WalkerParallel(
             self.__wrapped__, None, mesh=self._mesh, options=self._options, replicated=self._replicated | names
         )
+
+
+def kernel_of(
+    fn: Callable[..., Any],
+    layout: Layout,
+    *,
+    mesh: Mesh | None,
+    options: Options,
+    qualname: str | None = None,
+    nested: Callable[..., Any] | None = None,
+) -> WalkerParallel:
+    """The package's own factory of kernels with a layout it built (reductions, vmaps, solvers, samplers).
+
+    ``nested``: what a call from inside another kernel's body runs instead of the function.
+    """
+    return WalkerParallel(fn, layout, mesh=mesh, options=options, qualname=qualname, nested=nested)
 
 
 @overload

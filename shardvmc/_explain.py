@@ -30,7 +30,7 @@ from ._placement import pad_n_walkers
 if TYPE_CHECKING:
     from ._plan import Plan
 
-__all__ = ["COLLECTIVES", "CommunicationWarning", "Entry", "Explanation", "count_collectives", "explain"]
+__all__ = ["COLLECTIVES", "CommunicationWarning", "ExplanationEntry", "Explanation", "count_collectives", "explain"]
 
 COLLECTIVES = ("all-reduce", "all-gather", "all-to-all", "collective-permute", "reduce-scatter")
 """The HLO collectives counted, in report order."""
@@ -62,7 +62,7 @@ class CommunicationWarning(UserWarning):
 
 
 @dataclasses.dataclass(frozen=True)
-class Entry:
+class ExplanationEntry:
     """One leaf of a parameter or of the output, as the kernel sees it.
 
     Attributes:
@@ -124,8 +124,8 @@ class Explanation:
     device_ids: tuple[int, ...]
     walker_axis: str | tuple[str, ...]
     n_devices: int
-    parameters: tuple[Entry, ...]
-    outputs: tuple[Entry, ...]
+    parameters: tuple[ExplanationEntry, ...]
+    outputs: tuple[ExplanationEntry, ...]
     n_walkers: int
     n_padded: int
     pads_inside: bool
@@ -192,7 +192,7 @@ class Explanation:
         return "\n".join(lines)
 
 
-def _table(entries: tuple[Entry, ...]) -> list[str]:
+def _table(entries: tuple[ExplanationEntry, ...]) -> list[str]:
     rows = []
     for e in entries:
         where = f"{e.name}{e.path}"
@@ -241,7 +241,7 @@ def _placed(leaf: Any) -> PartitionSpec | None:
     return sharding.spec if isinstance(sharding, NamedSharding) else None
 
 
-def _parameters(plan: Plan, args: tuple[Any, ...], dyn: tuple[Any, ...]) -> tuple[Entry, ...]:
+def _parameters(plan: Plan, args: tuple[Any, ...], dyn: tuple[Any, ...]) -> tuple[ExplanationEntry, ...]:
     spec = plan.spec
     axis = plan.key.axis
     values = dict(zip(spec.dyn_idx, dyn))
@@ -250,16 +250,20 @@ def _parameters(plan: Plan, args: tuple[Any, ...], dyn: tuple[Any, ...]) -> tupl
     for i, p in enumerate(spec.layout.params):
         value = values[i]
         if p.kind is Kind.STATIC:
-            entries.append(Entry(p.name, "", p.kind.value, None, None, f"{type(value).__name__} = {value!r}"[:60]))
+            entries.append(
+                ExplanationEntry(p.name, "", p.kind.value, None, None, f"{type(value).__name__} = {value!r}"[:60])
+            )
             continue
         for path, leaf in jax.tree_util.tree_flatten_with_path(value)[0]:
             shape, dtype = _dtype(leaf)
             keystr = jax.tree_util.keystr(path)
-            entries.append(Entry(p.name, keystr, p.kind.value, spec_of(p.kind, axis), shape, dtype, _placed(leaf)))
+            entries.append(
+                ExplanationEntry(p.name, keystr, p.kind.value, spec_of(p.kind, axis), shape, dtype, _placed(leaf))
+            )
     return tuple(entries)
 
 
-def _outputs(plan: Plan, out_info: Any, pads_inside: bool) -> tuple[Entry, ...]:
+def _outputs(plan: Plan, out_info: Any, pads_inside: bool) -> tuple[ExplanationEntry, ...]:
     axis = plan.key.axis
     output = plan.spec.layout.output
     if plan.replicated_check == "values":
@@ -273,7 +277,7 @@ def _outputs(plan: Plan, out_info: Any, pads_inside: bool) -> tuple[Entry, ...]:
         layout = PartitionSpec() if pads_inside else spec_of(kind, axis)
         for path, leaf in jax.tree_util.tree_flatten_with_path(info)[0]:
             shape, dtype = _dtype(leaf)
-            entries.append(Entry(name, jax.tree_util.keystr(path), kind.value, layout, shape, dtype))
+            entries.append(ExplanationEntry(name, jax.tree_util.keystr(path), kind.value, layout, shape, dtype))
     return tuple(entries)
 
 

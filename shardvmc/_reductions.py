@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from ._caches import bounded
-from ._decorator import WalkerParallel
+from ._decorator import WalkerParallel, kernel_of
 from ._errors import CallError, message
 from ._kernel import Options
 from ._markers import Kind, Layout, Param
@@ -35,7 +35,7 @@ def _kernel(block: Callable[..., Any], names: tuple[str, ...], where: str) -> Ca
     @bounded(16)
     def on(mesh: Mesh | None, axis_name: str | tuple[str, ...]) -> WalkerParallel:
         options = Options(axis_name=axis_name, batched=True)
-        return WalkerParallel(block, layout, mesh=mesh, options=options, qualname=where)
+        return kernel_of(block, layout, mesh=mesh, options=options, qualname=where)
 
     return on
 

@@ -14,7 +14,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from . import _compat
-from ._decorator import WalkerParallel
+from ._decorator import WalkerParallel, kernel_of
 from ._errors import CallError, message
 from ._kernel import Options, inside_kernel, signature_of
 from ._markers import Kind, Layout, Param
@@ -213,12 +213,12 @@ def _sharded(
         if all(isinstance(k, Kind) for k in kinds):
             names = [f"arg{i}" for i in range(len(args))]
             layout = Layout(tuple(Param(n, k) for n, k in zip(names, kinds)), output, _signature(names))
-            return WalkerParallel(fn, layout, mesh=mesh, options=options, nested=local), None
+            return kernel_of(fn, layout, mesh=mesh, options=options, nested=local), None
         params, _, rebuild = _split(kinds, args, where)
         layout = Layout(params, output, _signature([p.name for p in params]))
         body = functools.wraps(fn)(lambda *vals: fn(*rebuild(*vals)))
         qualname = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
-        return WalkerParallel(body, layout, mesh=mesh, options=options, qualname=qualname), kinds
+        return kernel_of(body, layout, mesh=mesh, options=options, qualname=qualname), kinds
 
     @functools.wraps(fn)
     def mapped(*args: Any) -> Any:
@@ -422,6 +422,6 @@ def _init_kernel(init_fn: Callable[[jax.Array], Any], mesh: Mesh, axis_name: Any
         (Param("key", Kind.KEY), Param("slot", Kind.PER_WALKER)), Kind.PER_WALKER, _signature(("key", "slot"))
     )
     qualname = f"initialize_walkers_sharded({getattr(init_fn, '__qualname__', repr(init_fn))})"
-    kernel = WalkerParallel(one, layout, mesh=mesh, options=Options(axis_name=axis_name), qualname=qualname)
+    kernel = kernel_of(one, layout, mesh=mesh, options=Options(axis_name=axis_name), qualname=qualname)
     by_mesh[mesh, axis_name] = kernel
     return kernel

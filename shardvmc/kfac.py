@@ -117,7 +117,7 @@ from jax.core import Tracer
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from . import _kfac_compat
-from ._decorator import WalkerParallel
+from ._decorator import WalkerParallel, kernel_of
 from ._errors import CallError, describe, message
 from ._kernel import Options
 from ._markers import Kind, Layout, Param
@@ -163,7 +163,7 @@ def _kernel(
     # the program holds pvary casts between parameters and matmuls, where it would match no dense layer.
     # kfac-jax's own pmeans make the step's outputs replicated.
     options = Options(axis_name=axis, batched=True, checks=False)
-    return WalkerParallel(body, layout, mesh=mesh, options=options, qualname=f"{_WHERE}.{body.__name__}")
+    return kernel_of(body, layout, mesh=mesh, options=options, qualname=f"{_WHERE}.{body.__name__}")
 
 
 def _walker_mesh(mesh: Mesh, axis: str) -> Mesh:

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import pytest
 
 import shardvmc as sv
-from shardvmc._explain import Explanation, count_collectives
+from shardvmc._explain import count_collectives
 
 
 @sv.walker_parallel
@@ -20,7 +20,7 @@ def test_mean_kernel_on_the_default_mesh():
     with warnings.catch_warnings():
         warnings.simplefilter("error", sv.CommunicationWarning)
         e = mean_square.explain(jnp.ones((8, 3)))
-    assert isinstance(e, Explanation)
+    assert isinstance(e, sv.Explanation)
     assert e.collectives == {"all-reduce": 1}
     assert e.unexpected == {} and e.cause is None and e.fix is None
     assert e.mesh_shape == {"walkers": 8} and e.device_ids == tuple(range(8))

@@ -200,7 +200,7 @@ def test_when_jax_cannot_tell_the_values_are_compared_at_the_first_call():
     good = _laplacian_block(local=False)
     lap, total = good(r)
     np.testing.assert_allclose(total, np.sum(lap), rtol=1e-5)
-    plan, _, _ = good.plan(r)
+    plan, _, _ = good._plan_for(r)
     assert plan.replicated_check == "values"
     with pytest.raises(sv.CallError, match=r"return\[1\] is marked Replicated, but it differs between devices"):
         _laplacian_block(local=True)(r)
@@ -295,6 +295,6 @@ def test_explain_reports_the_chunk_that_ran():
 
     for walkers in (sv.WalkerSet(jnp.ones((16, 3)), 11), jnp.ones((16, 3))):
         e(walkers)
-        plan, _, _ = e.plan(walkers)
+        plan, _, _ = e._plan_for(walkers)
         assert e.explain(walkers).batch_size == plan.batch_size
     assert len(e.chosen_batch_sizes) == 1  # one argument signature: the two counts share one abstract shape
