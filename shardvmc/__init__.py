@@ -10,6 +10,8 @@ Example:
 """
 
 from . import distributed as distributed
+from . import hamiltonian as hamiltonian
+from . import mcmc as mcmc
 from ._checkpoint import RESIZED as RESIZED
 from ._checkpoint import Checkpoint as Checkpoint
 from ._checkpoint import load_walkers as load_walkers
@@ -94,12 +96,14 @@ __all__ = [
     "get_replicated_sharding",
     "get_vmap_fn",
     "get_walker_sharding",
+    "hamiltonian",
     "initialize_walkers_sharded",
     "is_multi_gpu",
     "jtj",
     "jtv",
     "load_state",
     "load_walkers",
+    "mcmc",
     "n_devices",
     "natural_gradient",
     "pad_n_walkers",

@@ -27,6 +27,8 @@ PUBLIC = {
     "save_walkers", "load_walkers", "Checkpoint", "RESIZED", "distributed",
     # training-state checkpoints (orbax-checkpoint, the `checkpoint` extra)
     "save_state", "load_state", "Checkpointer", "wait_for_saves",
+    # the standard VMC pieces: the sampler and the local energy (submodules)
+    "mcmc", "hamiltonian",
 }  # fmt: skip
 
 
@@ -89,9 +91,11 @@ def test_import_and_decoration_never_touch_devices():
     assert out.stdout.strip() == "ok"
 
 
-SUBMODULES = {  # optional extras: shardvmc.kfac (kfac-jax) and shardvmc.optax (optax)
+SUBMODULES = {  # optional extras: shardvmc.kfac (kfac-jax) and shardvmc.optax (optax); the VMC pieces
     "kfac": {"Optimizer", "DiagonalBlockWarning", "check_curvature_blocks", "KFAC_JAX_PATCHED"},
     "optax": {"natural_gradient", "clip_by_fisher_norm", "NaturalGradientState", "FisherNormState"},
+    "mcmc": {"Metropolis", "SamplerState", "Walker", "adapt_width", "MOVES"},
+    "hamiltonian": {"local_energy", "kinetic_energy", "coulomb", "LAPLACIANS"},
 }
 
 

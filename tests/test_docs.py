@@ -52,7 +52,7 @@ DIRECTIVE = re.compile(r"^:::\s+(?P<name>[\w.]+)\s*$", re.M)
 def _public_modules():
     """(module path, __all__) of every public module whose names the reference must list."""
     out = [("shardvmc", list(shardvmc.__all__))]
-    for sub in ("testing", "distributed", "launch", "kfac", "optax"):
+    for sub in ("testing", "distributed", "launch", "kfac", "optax", "mcmc", "hamiltonian"):
         try:
             module = importlib.import_module(f"shardvmc.{sub}")
         except ImportError:  # a submodule not written yet
