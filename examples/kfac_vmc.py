@@ -24,8 +24,6 @@ import jax.numpy as jnp
 import neural_vmc as vmc
 from network import SYSTEMS, System, log_psi
 
-import shardvmc as sv
-
 AXIS = "qmc_pmap_axis"
 
 
@@ -85,23 +83,17 @@ def make_steps(config: vmc.Config, mesh: Any) -> vmc.Steps:
         learning_rate_schedule=vmc.schedule(config), norm_constraint=config.max_norm, estimation_mode="fisher_exact",
         inverse_update_period=1, curvature_ema=0.95, min_damping=1e-4, num_burnin_steps=0,
     )  # fmt: skip
-    sample = jax.jit(vmc.sample, static_argnums=(0, 1))
-    refresh = vmc.refresh.with_options(mesh=mesh, batch_size=config.batch_size)
+    sampler = vmc.make_sampler(config, mesh)
+    sample = jax.jit(sampler.step)
 
-    def positions(walkers: sv.WalkerSet) -> sv.WalkerSet:
-        return sv.WalkerSet(walkers.data["r"], walkers.n_valid)  # what the loss takes: the walkers' positions
-
-    def init(params: Any, walkers: sv.WalkerSet, key: jax.Array) -> Any:
-        return optimiser.init(params, key, positions(walkers))
-
-    def train(state: vmc.State, walkers: sv.WalkerSet, key: jax.Array) -> Any:
-        state, walkers, acceptance = sample(config, mesh, state, walkers, key)
+    def train(state: vmc.State, key: jax.Array) -> tuple[vmc.State, jax.Array]:
+        walkers = sample(state.params, state.sampler, key)
+        # FermiNet's loss computes, clips and differentiates the energy itself, on the walkers' positions.
         params, opt, stats = optimiser.step(state.params, state.opt, jax.random.fold_in(key, 1),
-                                            batch=positions(walkers), momentum=0.0, damping=config.damping)  # fmt: skip
-        walkers = refresh(params, walkers, system)
-        return state._replace(params=params, opt=opt), walkers, jnp.stack([stats["loss"], stats["aux"]["variance"],
-                                                                            acceptance])  # fmt: skip
+                                            batch=walkers.positions, momentum=0.0, damping=config.damping)  # fmt: skip
+        return vmc.State(params, opt, walkers), jnp.stack([stats["loss"], stats["aux"]["variance"], walkers.acceptance])
 
+    init = lambda params, positions, key: optimiser.init(params, key, positions)  # noqa: E731
     return vmc.Steps(init, train, vmc.make_evaluate(config, mesh))
 
 

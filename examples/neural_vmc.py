@@ -2,10 +2,11 @@
 
 Variational Monte Carlo with the natural gradient (minSR, SPRING, dense SR or CG, as an
 optax chain of ``shardvmc.optax``; ``kfac_vmc.py`` trains the same network with KFAC).
-The per-walker pieces are written for ONE walker and made walker-parallel with
-``sv.walker_parallel``: the Metropolis moves, the local energy (``folx.forward_laplacian``)
-with the walker's row of ``J = d log|psi| / d params``, FermiNet's energy clipping. The
-whole training state is checkpointed; a preemption notice saves it and exits with code 75.
+The Metropolis moves are ``sv.mcmc``'s; the per-walker pieces are written for ONE walker
+and made walker-parallel with ``sv.walker_parallel``: the local energy (``sv.hamiltonian``:
+folx's forward Laplacian, the Coulomb potential) with the walker's row of
+``J = d log|psi| / d params``, FermiNet's energy clipping. The whole training state is
+checkpointed; a preemption notice saves it and exits with code 75.
 
 Copy it with ``network.py`` (the wavefunction) and ``plumbing.py`` (devices, command line,
 progress, checkpoints). Figures and the commands that measured them: ``docs/neural.md``.
@@ -26,7 +27,6 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
-import folx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -76,56 +76,23 @@ QUICK = {"walkers": 64, "steps": 6, "eval_steps": 4, "hidden": 8, "hidden_two": 
 
 # --8<-- [start:kernels]
 def local_energy(params: Any, r: jax.Array, system: System) -> jax.Array:
-    """``-1/2 (lap + |grad|^2) log|psi| + V`` at ONE walker ``r`` (n_electrons, 3), the Laplacian by folx."""
-    n = system.n_electrons
-    out = folx.forward_laplacian(lambda x: log_psi(params, x.reshape(n, 3), system))(r.reshape(-1))
-    kinetic = -0.5 * (out.laplacian + jnp.sum(out.jacobian.dense_array**2))
-    coords, charges = jnp.asarray(system.coords, r.dtype), jnp.asarray(system.charges, r.dtype)
-    v_ae = -jnp.sum(charges / jnp.linalg.norm(r[:, None] - coords[None], axis=-1))
-    r_ee = jnp.linalg.norm(r[:, None] - r[None] + jnp.eye(n)[..., None], axis=-1)  # eye: no 0/0 on the diagonal
-    r_nn = jnp.linalg.norm(coords[:, None] - coords[None] + jnp.eye(len(charges))[..., None], axis=-1)
-    v_nn = jnp.sum(jnp.triu(charges[:, None] * charges[None] / r_nn, k=1))
-    return kinetic + v_ae + jnp.sum(jnp.triu(1.0 / r_ee, k=1)) + v_nn
-
-
-@sv.walker_parallel
-def metropolis(
-    params: sv.Replicated[Any], walker: sv.PerWalker[dict], key: sv.WalkerKey, step_size: sv.Replicated[jax.Array],
-    system: sv.Static[System], sweeps: sv.Static[int],
-) -> tuple[sv.PerWalker[dict], sv.Mean[jax.Array]]:  # fmt: skip
-    """``sweeps`` all-electron Metropolis moves of ONE walker; the acceptance is averaged."""
-
-    def move(i: jax.Array, carry: tuple[dict, jax.Array]) -> tuple[dict, jax.Array]:
-        w, accepted = carry
-        k_move, k_accept = jax.random.split(jax.random.fold_in(key, i))
-        proposal = w["r"] + step_size * jax.random.normal(k_move, w["r"].shape, w["r"].dtype)
-        new_log_psi = log_psi(params, proposal, system)
-        accept = jnp.log(jax.random.uniform(k_accept, dtype=w["r"].dtype)) < 2.0 * (new_log_psi - w["log_psi"])
-        w = {"r": jnp.where(accept, proposal, w["r"]), "log_psi": jnp.where(accept, new_log_psi, w["log_psi"])}
-        return w, accepted + accept.astype(w["r"].dtype)
-
-    walker, accepted = jax.lax.fori_loop(0, sweeps, move, (walker, jnp.zeros((), walker["r"].dtype)))
-    return walker, accepted / sweeps
-
-
-@sv.walker_parallel
-def refresh(params: sv.Replicated[Any], walker: sv.PerWalker[dict], system: sv.Static[System]) -> dict:
-    """The walker with log|psi| recomputed for new parameters."""
-    return {"r": walker["r"], "log_psi": log_psi(params, walker["r"], system)}
+    """The local energy of ONE walker ``r``: the kinetic energy by folx's forward Laplacian, the Coulomb potential."""
+    kinetic = sv.hamiltonian.kinetic_energy(functools.partial(log_psi, system=system), params, r)
+    return kinetic + sv.hamiltonian.coulomb(r, system.charges, system.coords)
 
 
 @sv.walker_parallel
 def measure(
-    params: sv.Replicated[Any], walker: sv.PerWalker[dict], system: sv.Static[System]
+    params: sv.Replicated[Any], r: sv.PerWalker[jax.Array], system: sv.Static[System]
 ) -> tuple[sv.PerWalker[jax.Array], sv.PerWalker[Any]]:
-    """The local energy of ONE walker and its log-derivatives ``d log|psi| / d params`` (a row of ``J``)."""
-    return local_energy(params, walker["r"], system), jax.grad(log_psi)(params, walker["r"], system)
+    """The local energy of ONE walker and its log-derivatives ``d log|psi| / d params`` (its row of ``J``)."""
+    return local_energy(params, r, system), jax.grad(log_psi)(params, r, system)
 
 
 @sv.walker_parallel
-def energy(params: sv.Replicated[Any], walker: sv.PerWalker[dict], system: sv.Static[System]) -> jax.Array:
+def energy(params: sv.Replicated[Any], r: sv.PerWalker[jax.Array], system: sv.Static[System]) -> jax.Array:
     """The local energy of ONE walker (the evaluation needs no gradient)."""
-    return local_energy(params, walker["r"], system)
+    return local_energy(params, r, system)
 
 
 @sv.walker_parallel
@@ -146,18 +113,17 @@ def clip(
 
 
 class State(NamedTuple):
-    """What changes from step to step besides the walkers (replicated)."""
+    """The training state: parameters, the optimiser's state, the sampler's (walkers and proposal width)."""
 
     params: Any
-    opt: Any  # the optimiser's state
-    step_size: jax.Array  # the Metropolis proposal width, adapted towards 50 % acceptance
+    opt: Any
+    sampler: sv.mcmc.SamplerState
 
 
 class Steps(NamedTuple):
-    """A training method: ``init(params, walkers, key) -> optimiser state``; ``train`` and ``evaluate`` steps.
+    """A training method: ``init(params, positions, key) -> optimiser state``; ``train`` and ``evaluate`` steps.
 
-    ``train(state, walkers, key)`` and ``evaluate(state, walkers, key)`` return ``(state,
-    walkers, stats)``, ``stats`` = [energy, variance, acceptance].
+    ``train(state, key)`` and ``evaluate(state, key)`` return ``(state, [energy, variance, acceptance])``.
     """
 
     init: Callable[..., Any]
@@ -170,20 +136,18 @@ def schedule(config: Config) -> Callable[[jax.Array], jax.Array]:
     return lambda t: config.lr / (1.0 + t / config.lr_decay)
 
 
-def sample(config: Config, mesh: Any, state: State, walkers: sv.WalkerSet, key: jax.Array) -> tuple[Any, ...]:
-    """``config.sweeps`` Metropolis moves: ``(state with the step size adapted, walkers, acceptance)``."""
-    walkers, acceptance = metropolis.with_options(mesh=mesh, batch_size=config.batch_size)(
-        state.params, walkers, key, state.step_size, SYSTEMS[config.system], config.sweeps
-    )
-    factor = jnp.where(acceptance > 0.55, 1.05, jnp.where(acceptance < 0.45, 1 / 1.05, 1.0))
-    return state._replace(step_size=jnp.clip(state.step_size * factor, 0.02, 2.0)), walkers, acceptance
+@functools.cache
+def make_sampler(config: Config, mesh: Any) -> sv.mcmc.Metropolis:
+    """``config.sweeps`` all-electron Gaussian moves per call, the width adapted towards 50 % acceptance."""
+    psi = functools.partial(log_psi, system=SYSTEMS[config.system])
+    return sv.mcmc.Metropolis(psi, n_steps=config.sweeps, mesh=mesh, batch_size=config.batch_size)
 
 
 # --8<-- [start:step]
 @functools.cache  # one compilation per setting and mesh (runs that differ only in their seed share it)
 def make_steps(config: Config, mesh: Any) -> Steps:
     """The natural gradient: an optax chain of the direction, the Fisher-norm step constraint, the learning rate."""
-    system, chunked = SYSTEMS[config.system], {"mesh": mesh, "batch_size": config.batch_size}
+    system, sampler = SYSTEMS[config.system], make_sampler(config, mesh)
     optimiser = optax.chain(
         svx.natural_gradient(damping=config.damping, method=config.optimiser,
                              momentum=config.momentum * (config.optimiser == "spring")),
@@ -192,16 +156,15 @@ def make_steps(config: Config, mesh: Any) -> Steps:
     )  # fmt: skip
 
     @jax.jit
-    def train(state: State, walkers: sv.WalkerSet, key: jax.Array) -> Any:
-        state, walkers, acceptance = sample(config, mesh, state, walkers, key)
-        e, j = measure.with_options(**chunked)(state.params, walkers, system)
+    def train(state: State, key: jax.Array) -> tuple[State, jax.Array]:
+        walkers = sampler.step(state.params, state.sampler, key)  # refreshes log|psi| for the new parameters first
+        e, j = measure.with_options(mesh=mesh, batch_size=config.batch_size)(state.params, walkers.positions, system)
         e_clipped, e_mean, e2_mean = clip.with_options(mesh=mesh)(e, config.clip)
         updates, opt = optimiser.update(state.params, state.opt, state.params, jacobian=j, local_energies=e_clipped)
-        params = optax.apply_updates(state.params, updates)
-        walkers = refresh.with_options(**chunked)(params, walkers, system)
-        return state._replace(params=params, opt=opt), walkers, jnp.stack([e_mean, e2_mean - e_mean**2, acceptance])
+        state = State(optax.apply_updates(state.params, updates), opt, walkers)
+        return state, jnp.stack([e_mean, e2_mean - e_mean**2, walkers.acceptance])
 
-    return Steps(lambda params, walkers, key: jax.jit(optimiser.init)(params), train, make_evaluate(config, mesh))
+    return Steps(lambda params, positions, key: jax.jit(optimiser.init)(params), train, make_evaluate(config, mesh))
 
 
 # --8<-- [end:step]
@@ -209,34 +172,33 @@ def make_steps(config: Config, mesh: Any) -> Steps:
 
 @functools.cache
 def make_evaluate(config: Config, mesh: Any) -> Callable[..., Any]:
-    """``evaluate(state, walkers, key)``: Metropolis moves and the local energies, the parameters fixed."""
+    """``evaluate(state, key)``: Metropolis moves and the local energies, the parameters fixed."""
+    system, sampler = SYSTEMS[config.system], make_sampler(config, mesh)
 
     @jax.jit
-    def evaluate(state: State, walkers: sv.WalkerSet, key: jax.Array) -> Any:
-        state, walkers, acceptance = sample(config, mesh, state, walkers, key)
-        e = energy.with_options(mesh=mesh, batch_size=config.batch_size)(state.params, walkers, SYSTEMS[config.system])
+    def evaluate(state: State, key: jax.Array) -> tuple[State, jax.Array]:
+        walkers = sampler.step(state.params, state.sampler, key)
+        e = energy.with_options(mesh=mesh, batch_size=config.batch_size)(state.params, walkers.positions, system)
         _, e_mean, e2_mean = clip.with_options(mesh=mesh)(e, config.clip)
-        return state, walkers, jnp.stack([e_mean, e2_mean - e_mean**2, acceptance])
+        return state._replace(sampler=walkers), jnp.stack([e_mean, e2_mean - e_mean**2, walkers.acceptance])
 
     return evaluate
 
 
-def initial_state(config: Config, mesh: Any, steps: Steps, *, equilibrate: bool = True) -> tuple[State, sv.WalkerSet]:
+def initial_state(config: Config, mesh: Any, steps: Steps, *, equilibrate: bool = True) -> State:
     """Parameters, optimiser state and walkers; ``equilibrate``: ``config.burn_in`` moves with fixed parameters."""
     system, root = SYSTEMS[config.system], jax.random.key(config.seed)
     dtype = jnp.float64 if config.x64 else jnp.float32
     sizes = {"hidden_one": config.hidden, "hidden_two": config.hidden_two, "layers": config.layers,
              "determinants": config.determinants, "dtype": dtype}  # fmt: skip
-    params = jax.jit(lambda key: init(key, system, **sizes))(jax.random.fold_in(root, 10**6))
-    params = sv.replicate(params, mesh)
-    walkers = sv.initialize_walkers_sharded(lambda key: {"r": init_walker(key, system, dtype), "log_psi": jnp.zeros(
-        (), dtype)}, config.walkers, mesh, key=jax.random.fold_in(root, 0))  # fmt: skip
-    walkers = refresh.with_options(mesh=mesh, batch_size=config.batch_size)(params, walkers, system)
-    opt = steps.init(params, walkers, jax.random.fold_in(root, 10**6 + 1))
-    state = State(params, opt, sv.replicate(jnp.asarray(config.step_size, dtype), mesh))
+    params = sv.replicate(jax.jit(lambda key: init(key, system, **sizes))(jax.random.fold_in(root, 10**6)), mesh)
+    positions = sv.initialize_walkers_sharded(lambda key: init_walker(key, system, dtype), config.walkers, mesh,
+                                              key=jax.random.fold_in(root, 0))  # fmt: skip
+    walkers = make_sampler(config, mesh).init(params, positions, config.step_size)
+    state = State(params, steps.init(params, walkers.positions, jax.random.fold_in(root, 10**6 + 1)), walkers)
     for i in range(-(-config.burn_in // config.sweeps) if equilibrate else 0):
-        state, walkers, _ = steps.evaluate(state, walkers, jax.random.fold_in(root, 2**31 + i))
-    return state, walkers
+        state, _ = steps.evaluate(state, jax.random.fold_in(root, 2**31 + i))
+    return state
 
 
 def run(config: Config, mesh: Any, *, make: Callable[[Config, Any], Steps] = make_steps,
@@ -257,7 +219,7 @@ def run(config: Config, mesh: Any, *, make: Callable[[Config, Any], Steps] = mak
     with jax.enable_x64(config.x64), sv.use_mesh(mesh):
         steps = make(config, mesh)
         restored = saves.restore(config, lambda: initial_state(config, mesh, steps, equilibrate=False), mesh, printer)
-        (state, walkers), history = restored or (initial_state(config, mesh, steps), [])
+        state, history = restored or (initial_state(config, mesh, steps), [])
         sv.distributed.check_consistent(state.params)  # every process holds the same parameters
         first = len(history)
         every = max(total // 20, 1) if print_every is None else print_every
@@ -266,13 +228,13 @@ def run(config: Config, mesh: Any, *, make: Callable[[Config, Any], Steps] = mak
         for t in range(first, end):
             t0 = time.perf_counter()
             step = steps.train if t < config.steps else steps.evaluate
-            state, walkers, stats = step(state, walkers, jax.random.fold_in(root, t + 1))
+            state, stats = step(state, jax.random.fold_in(root, t + 1))
             history.append([float(v) for v in plumbing.to_host(stats)])
             compile_seconds = time.perf_counter() - t0 if compile_seconds is None else compile_seconds
             progress.update(t, "opt " if t < config.steps else "eval", *history[-1])
             if not np.isfinite(history[-1][0]):
                 raise FloatingPointError(f"the energy is {history[-1][0]} at step {t + 1}")
-            if saves.after_step(t + 1, history, (state, walkers), config, last=t + 1 == end):
+            if saves.after_step(t + 1, history, state, config, last=t + 1 == end):
                 status = "preempted"
                 break
         progress.close()
