@@ -1,13 +1,7 @@
 """The wavefunction of the neural examples: a FermiNet-style network (Pfau et al. 2020), and the atoms it learns.
 
-``log_psi(params, r, system)`` is log|psi| of ONE walker ``r`` (n_electrons, 3). The
-one-electron stream (electron-nucleus vectors and distances) and the two-electron stream
-(electron-electron vectors and distances) go through layers that mix each electron's
-features with their means over same-spin and opposite-spin electrons (permutation
-equivariant); the head builds K spin-up and spin-down orbital matrices with exponential
-envelopes and sums the K signed determinants stably; a Jastrow factor gives the
-electron-electron cusp. Every operation has forward-mode derivatives in the parameters
-(kfac-jax takes jvps). The atoms and molecules are data: no chemistry package is needed.
+The atoms are data (no chemistry package). Every operation has forward-mode derivatives
+in the parameters (kfac-jax takes jvps).
 """
 
 from __future__ import annotations
@@ -30,10 +24,6 @@ class System:
     exact_energy: float
     hf_energy: float | None = None
 
-    @property
-    def n_electrons(self) -> int:
-        return self.n_up + self.n_down
-
 
 LI = System("Li", ((0.0, 0.0, 0.0),), (3.0,), 2, 1, exact_energy=-7.47806, hf_energy=-7.43273)
 LIH = System("LiH", ((0.0, 0.0, 0.0), (0.0, 0.0, 3.015)), (3.0, 1.0), 2, 2, exact_energy=-8.07050)
@@ -44,8 +34,8 @@ SYSTEMS = {s.name: s for s in (LI, LIH, BE)}
 def init_walker(key: jax.Array, system: System, dtype: jnp.dtype) -> jax.Array:
     """One walker: electrons given to the nuclei in turn (heaviest first), displaced by a unit Gaussian."""
     order = sorted(range(len(system.charges)), key=lambda m: -system.charges[m])
-    owner = [order[i % len(order)] for i in range(system.n_electrons)]
-    noise = jax.random.normal(key, (system.n_electrons, 3), dtype)
+    owner = [order[i % len(order)] for i in range(system.n_up + system.n_down)]
+    noise = jax.random.normal(key, (len(owner), 3), dtype)
     return jnp.asarray(system.coords, dtype)[jnp.asarray(owner)] + noise
 
 
@@ -55,7 +45,7 @@ def _dense(key: jax.Array, n_in: int, n_out: int, dtype: jnp.dtype) -> dict:
     return {"w": scale * jax.random.normal(kw, (n_in, n_out), dtype), "b": 0.1 * jax.random.normal(kb, (n_out,), dtype)}
 
 
-def init(key: jax.Array, system: System, *, hidden_one: int, hidden_two: int, layers: int, determinants: int,
+def init(key: jax.Array, system: System, hidden_one: int, hidden_two: int, layers: int, determinants: int,
          dtype: jnp.dtype) -> dict:  # fmt: skip
     """The parameters: ``layers`` mixing layers of widths ``hidden_one``/``hidden_two``, K = ``determinants``."""
     keys = jax.random.split(key, 2 * layers + 2)
@@ -79,8 +69,15 @@ def init(key: jax.Array, system: System, *, hidden_one: int, hidden_two: int, la
 
 
 def log_psi(params: dict, r: jax.Array, system: System) -> jax.Array:
-    """log|psi| of ONE walker ``r`` (n_electrons, 3)."""
-    n, n_up = system.n_electrons, system.n_up
+    """log|psi| of ONE walker ``r`` (n_electrons, 3).
+
+    The one-electron stream (electron-nucleus vectors and distances) and the two-electron
+    stream (electron-electron ones) go through layers that mix each electron's features with
+    their means over same-spin and opposite-spin electrons (permutation equivariant); the
+    head sums K signed determinants of orbitals with exponential envelopes; a Jastrow factor
+    gives the electron-electron cusp.
+    """
+    n, n_up = r.shape[0], system.n_up
     coords = jnp.asarray(system.coords, r.dtype)
     ae = r[:, None, :] - coords[None]
     r_ae = jnp.linalg.norm(ae, axis=-1)

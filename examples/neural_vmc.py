@@ -1,15 +1,11 @@
 """A FermiNet-style neural-network wavefunction for atoms and small molecules, trained on every device.
 
-Variational Monte Carlo with the natural gradient (minSR, SPRING, dense SR or CG, as an
-optax chain of ``shardvmc.optax``; ``kfac_vmc.py`` trains the same network with KFAC).
-The Metropolis moves are ``sv.mcmc``'s; the per-walker pieces are written for ONE walker
-and made walker-parallel with ``sv.walker_parallel``: the local energy (``sv.hamiltonian``:
-folx's forward Laplacian, the Coulomb potential) with the walker's row of
-``J = d log|psi| / d params``, FermiNet's energy clipping. The whole training state is
-checkpointed; a preemption notice saves it and exits with code 75.
-
-Copy it with ``network.py`` (the wavefunction) and ``plumbing.py`` (devices, command line,
-progress, checkpoints). Figures and the commands that measured them: ``docs/neural.md``.
+Variational Monte Carlo with the natural gradient (minSR, SPRING, dense SR or CG: an optax
+chain of ``shardvmc.optax``; ``kfac_vmc.py`` trains the same network with KFAC), the
+Metropolis moves of ``sv.mcmc``, and per-walker kernels written for ONE walker: the local
+energy (``sv.hamiltonian``) with the walker's row of ``J = d log|psi| / d params``, and
+FermiNet's energy clipping. A preemption notice saves the training state and exits with 75.
+Copy it with ``network.py`` and ``plumbing.py``; figures and their commands: ``docs/neural.md``.
 
     python examples/neural_vmc.py --system Li                      # minSR; 8 fake CPU devices
     python examples/neural_vmc.py --quick --devices 1              # a smoke test: seconds
@@ -90,9 +86,8 @@ def measure(
 
 
 @sv.walker_parallel
-def energy(params: sv.Replicated[Any], r: sv.PerWalker[jax.Array], system: sv.Static[System]) -> jax.Array:
-    """The local energy of ONE walker (the evaluation needs no gradient)."""
-    return local_energy(params, r, system)
+def measure_energy(params: sv.Replicated[Any], r: sv.PerWalker[jax.Array], system: sv.Static[System]) -> jax.Array:
+    return local_energy(params, r, system)  # the evaluation's measurement: no gradient
 
 
 @sv.walker_parallel
@@ -101,8 +96,8 @@ def clip(
 ) -> tuple[sv.PerWalker[jax.Array], sv.Mean[jax.Array], sv.Mean[jax.Array]]:
     """FermiNet's clipping: ``e`` clipped to mean +- ``width`` mean absolute deviations; the means of ``e``, ``e**2``.
 
-    The window is a statistic over all valid walkers (``sv.all_walkers``), held constant.
-    A kernel of its own: ``sv.all_walkers`` cannot see across the chunks of a ``batch_size`` kernel.
+    The window is over all valid walkers (``sv.all_walkers``, which cannot see across the
+    chunks of a ``batch_size`` kernel: hence a kernel of its own), held constant.
     """
     mean = jax.lax.stop_gradient(sv.all_walkers.mean(e))
     mad = jax.lax.stop_gradient(sv.all_walkers.mean(jnp.abs(e - mean)))
@@ -121,10 +116,7 @@ class State(NamedTuple):
 
 
 class Steps(NamedTuple):
-    """A training method: ``init(params, positions, key) -> optimiser state``; ``train`` and ``evaluate`` steps.
-
-    ``train(state, key)`` and ``evaluate(state, key)`` return ``(state, [energy, variance, acceptance])``.
-    """
+    """A training method: ``init(params, positions, key)``, ``train`` and ``evaluate(state, key) -> (state, stats)``."""
 
     init: Callable[..., Any]
     train: Callable[..., Any]
@@ -174,11 +166,12 @@ def make_steps(config: Config, mesh: Any) -> Steps:
 def make_evaluate(config: Config, mesh: Any) -> Callable[..., Any]:
     """``evaluate(state, key)``: Metropolis moves and the local energies, the parameters fixed."""
     system, sampler = SYSTEMS[config.system], make_sampler(config, mesh)
+    energy = measure_energy.with_options(mesh=mesh, batch_size=config.batch_size)
 
     @jax.jit
     def evaluate(state: State, key: jax.Array) -> tuple[State, jax.Array]:
         walkers = sampler.step(state.params, state.sampler, key)
-        e = energy.with_options(mesh=mesh, batch_size=config.batch_size)(state.params, walkers.positions, system)
+        e = energy(state.params, walkers.positions, system)
         _, e_mean, e2_mean = clip.with_options(mesh=mesh)(e, config.clip)
         return state._replace(sampler=walkers), jnp.stack([e_mean, e2_mean - e_mean**2, walkers.acceptance])
 
@@ -189,9 +182,8 @@ def initial_state(config: Config, mesh: Any, steps: Steps, *, equilibrate: bool 
     """Parameters, optimiser state and walkers; ``equilibrate``: ``config.burn_in`` moves with fixed parameters."""
     system, root = SYSTEMS[config.system], jax.random.key(config.seed)
     dtype = jnp.float64 if config.x64 else jnp.float32
-    sizes = {"hidden_one": config.hidden, "hidden_two": config.hidden_two, "layers": config.layers,
-             "determinants": config.determinants, "dtype": dtype}  # fmt: skip
-    params = sv.replicate(jax.jit(lambda key: init(key, system, **sizes))(jax.random.fold_in(root, 10**6)), mesh)
+    sizes = (config.hidden, config.hidden_two, config.layers, config.determinants, dtype)
+    params = sv.replicate(jax.jit(lambda key: init(key, system, *sizes))(jax.random.fold_in(root, 10**6)), mesh)
     positions = sv.initialize_walkers_sharded(lambda key: init_walker(key, system, dtype), config.walkers, mesh,
                                               key=jax.random.fold_in(root, 0))  # fmt: skip
     walkers = make_sampler(config, mesh).init(params, positions, config.step_size)
@@ -203,14 +195,12 @@ def initial_state(config: Config, mesh: Any, steps: Steps, *, equilibrate: bool 
 
 def run(config: Config, mesh: Any, *, make: Callable[[Config, Any], Steps] = make_steps,
         checkpoint: str | None = None, checkpoint_every: int = 100, resume: bool = False,
-        stop_after: int | None = None, print_every: int | None = None, printer: Callable[[str], Any] = print,
-        bar: bool = False) -> dict[str, Any]:  # fmt: skip
-    """Optimise for ``config.steps`` steps, then evaluate for ``config.eval_steps``; a summary dict.
+        stop_after: int | None = None, print_every: int | None = None,
+        printer: Callable[[str], Any] = print) -> dict[str, Any]:  # fmt: skip
+    """Optimise for ``config.steps`` steps (the method ``make`` builds), evaluate for ``config.eval_steps``; a summary.
 
-    ``make`` builds the training method. With ``checkpoint`` (a directory) the state is
-    saved every ``checkpoint_every`` steps and at the end; ``resume`` continues from its
-    latest step (on any mesh). A preemption notice (SIGTERM) saves the state and returns
-    with ``status="preempted"``; ``stop_after`` stops after that step (``"stopped"``).
+    ``checkpoint``: a directory to save in every ``checkpoint_every`` steps, at the end, and on a
+    preemption notice (``status="preempted"``); ``resume`` continues there (on any mesh).
     """
     start_time, root = time.perf_counter(), jax.random.key(config.seed)
     total = config.steps + config.eval_steps
@@ -221,15 +211,14 @@ def run(config: Config, mesh: Any, *, make: Callable[[Config, Any], Steps] = mak
         restored = saves.restore(config, lambda: initial_state(config, mesh, steps, equilibrate=False), mesh, printer)
         state, history = restored or (initial_state(config, mesh, steps), [])
         sv.distributed.check_consistent(state.params)  # every process holds the same parameters
-        first = len(history)
-        every = max(total // 20, 1) if print_every is None else print_every
-        progress = plumbing.Progress(total, first, config.walkers, printer, every, bar)
+        first, every = len(history), max(total // 20, 1) if print_every is None else print_every
+        progress = plumbing.Progress(total, first, config.walkers, printer, every)
         status, compile_seconds = "finished" if end == total else "stopped", None
         for t in range(first, end):
             t0 = time.perf_counter()
             step = steps.train if t < config.steps else steps.evaluate
             state, stats = step(state, jax.random.fold_in(root, t + 1))
-            history.append([float(v) for v in plumbing.to_host(stats)])
+            history.append([float(v) for v in stats.addressable_shards[0].data])  # this process's copy
             compile_seconds = time.perf_counter() - t0 if compile_seconds is None else compile_seconds
             progress.update(t, "opt " if t < config.steps else "eval", *history[-1])
             if not np.isfinite(history[-1][0]):
@@ -237,9 +226,8 @@ def run(config: Config, mesh: Any, *, make: Callable[[Config, Any], Steps] = mak
             if saves.after_step(t + 1, history, state, config, last=t + 1 == end):
                 status = "preempted"
                 break
-        progress.close()
         saves.close()
-        n_params = int(ravel_pytree(state.params)[0].size)
+    n_params = int(ravel_pytree(state.params)[0].size)
     return summarise(config, history, status, mesh, n_params, time.perf_counter() - start_time, compile_seconds)
 
 
@@ -264,7 +252,7 @@ def summarise(config: Config, history: list[list[float]], status: str, mesh: Any
         "correlation_fraction": fraction, "best_average_50": float(average.min()) if average.size else None,
         "chemical_accuracy_step": int(reached[0]) + 50 if reached.size else None,
         "devices": int(mesh.devices.size), "platform": str(mesh.devices.flat[0].platform),
-        "processes": int(jax.process_count()), "walkers": config.walkers, "n_params": n_params,
+        "processes": jax.process_count(), "walkers": config.walkers, "n_params": n_params,
         "seconds": seconds, "compile_seconds": compile_seconds, "config": dataclasses.asdict(config),
         "energies": h[:, 0].tolist(), "variances": h[:, 1].tolist(), "acceptances": h[:, 2].tolist(),
     }  # fmt: skip
@@ -297,8 +285,8 @@ def main(argv: Sequence[str] | None = None, make: Callable[[Any, Any], Steps] = 
     mesh = plumbing.start(args.devices)
     config, printer = plumbing.make_config(args, config_class, QUICK), plumbing.printer()
     summary = run(config, mesh, make=make, checkpoint=args.checkpoint, checkpoint_every=args.checkpoint_every,
-                  resume=args.resume, stop_after=args.stop_after, print_every=args.print_every, printer=printer,
-                  bar=plumbing.is_lead() and not args.no_bar)  # fmt: skip
+                  resume=args.resume, stop_after=args.stop_after, print_every=args.print_every,
+                  printer=printer)  # fmt: skip
     for line in report(summary, args.quick):
         printer(line)
     plumbing.finish(args, summary, title=f"{config.system}, {config.optimiser}", phases=config.steps)

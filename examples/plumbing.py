@@ -1,11 +1,6 @@
-"""What the examples share and a research script does not need to read: devices, command line, progress, output.
+"""What the examples share and a research script need not read: devices, command line, progress, checkpoints, output.
 
-Copy it beside the example you copy; it holds nothing about the physics. :func:`start`
-makes the mesh (fake CPU devices without an accelerator; under ``python -m
-shardvmc.launch`` it joins the other processes first); :func:`parse_args` makes an option
-of every field of a config dataclass; :class:`Progress` shows a tqdm bar or periodic
-lines; :class:`Checkpoints` saves the state at a cadence and on a preemption notice;
-:func:`finish` writes the JSON summary and the plot.
+Copy it beside the example you copy; it holds nothing about the physics.
 """
 
 from __future__ import annotations
@@ -26,10 +21,9 @@ import shardvmc.testing
 
 
 def start(devices: int) -> Any:
-    """The mesh of the run: ``devices`` fake CPU devices on a host without accelerator, or every device.
+    """The mesh: ``devices`` fake CPU devices without an accelerator, else every device (of every launched process).
 
-    Call it before any JAX array exists: ``set_cpu_devices`` edits ``XLA_FLAGS`` (and sets
-    the XLA CPU scheduler flag without which larger programs deadlock).
+    Call it before any JAX array exists: ``set_cpu_devices`` edits ``XLA_FLAGS``.
     """
     try:
         sv.testing.set_cpu_devices(devices)
@@ -52,8 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser, *, checkpoints: bool = True) 
                         "accelerators and under shardvmc.launch")  # fmt: skip
     parser.add_argument("--json", metavar="PATH", default=None, help="write a JSON summary here")
     parser.add_argument("--plot", metavar="PNG", default=None, help="plot energy vs step (needs matplotlib)")
-    parser.add_argument("--print-every", type=int, default=None, help="progress line period without tqdm")
-    parser.add_argument("--no-bar", action="store_true", help="progress lines even when tqdm is installed")
+    parser.add_argument("--print-every", type=int, default=None, help="steps between progress lines")
     if checkpoints:
         parser.add_argument("--checkpoint", metavar="DIR", default=None, help="checkpoint directory")
         parser.add_argument("--checkpoint-every", type=int, default=100, help="steps between checkpoints")
@@ -83,11 +76,6 @@ def make_config(args: argparse.Namespace, config: type, quick: dict[str, Any]) -
     return config(**values, x64=not args.float32)
 
 
-def printer() -> Callable[..., Any]:
-    """``print`` on process 0, a no-op on the others."""
-    return print if is_lead() else (lambda *_: None)
-
-
 def is_lead() -> bool:
     """Whether this process prints and writes files (process 0)."""
     import jax
@@ -95,66 +83,35 @@ def is_lead() -> bool:
     return jax.process_index() == 0
 
 
-def to_host(x: Any) -> np.ndarray:
-    """This process's copy of a replicated array, as NumPy (also in multi-process runs)."""
-    import jax
-
-    return np.asarray(x.addressable_shards[0].data) if isinstance(x, jax.Array) else np.asarray(x)
+def printer() -> Callable[..., Any]:
+    """``print`` on process 0, a no-op on the others."""
+    return print if is_lead() else (lambda *_: None)
 
 
 class Progress:
-    """A tqdm bar when tqdm is installed (and ``bar``), else a line every ``every`` steps."""
+    """A line every ``every`` steps: the statistics, walkers per second (from the end of the first step, which
+    compiles), and the time left."""
 
-    def __init__(self, total: int, start: int, walkers: int, printer: Callable[[str], Any], every: int, bar: bool):
-        self.total, self.walkers, self.printer, self.every = total, walkers, printer, every
-        self.first, self.t0 = start, None
-        self.bar = None
-        if bar:
-            try:
-                from tqdm import tqdm
-
-                self.bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True)
-            except ImportError:
-                pass
+    def __init__(self, total: int, first: int, walkers: int, printer: Callable[[str], Any], every: int):
+        self.total, self.first, self.walkers, self.printer, self.every = total, first, walkers, printer, every
+        self.t0 = 0.0
 
     def update(self, t: int, phase: str, energy: float, variance: float, acceptance: float) -> None:
         """Report step ``t`` (0-based, just finished)."""
-        now = time.perf_counter()
-        if self.t0 is None:  # the first step compiles: rates count from its end
-            self.t0, self.first = now, t + 1
-        done = t + 1 - self.first
-        rate = done / (now - self.t0) if done and now > self.t0 else float("nan")
-        eta = (self.total - t - 1) / rate if rate > 0 else float("nan")
-        if self.bar is not None:
-            self.bar.set_postfix_str(
-                f"{phase} E={energy:+.5f} var={variance:.3f} acc={acceptance:.2f} walkers/s={rate * self.walkers:.0f}"
-            )
-            self.bar.update(1)
-        elif self.every and (t + 1 == self.first or (t + 1) % self.every == 0 or t + 1 == self.total):
-            self.printer(
-                f"{phase} step {t + 1:5d}/{self.total}  E = {energy:+.5f}  var = {variance:.4f}  "
-                f"acc = {acceptance:.3f}  walkers/s = {rate * self.walkers:7.0f}  ETA {_duration(eta)}"
-            )
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-
-
-def _duration(seconds: float) -> str:
-    if not np.isfinite(seconds):
-        return "--:--"
-    s = int(seconds)
-    return f"{s // 60:02d}:{s % 60:02d}" if s < 3600 else f"{s // 3600}h{s // 60 % 60:02d}"
+        if not self.t0:
+            self.t0, self.first = time.perf_counter(), t + 1
+        rate = (t + 1 - self.first) / max(time.perf_counter() - self.t0, 1e-9)  # steps per second
+        if self.every and (t + 1 == self.first or (t + 1) % self.every == 0 or t + 1 == self.total):
+            eta = f"{(self.total - t - 1) / rate / 60:.1f} min" if rate else "--"
+            self.printer(f"{phase} step {t + 1:5d}/{self.total}  E = {energy:+.5f}  var = {variance:.4f}  acc = "
+                         f"{acceptance:.3f}  walkers/s = {rate * self.walkers:7.0f}  ETA {eta}")  # fmt: skip
 
 
 class Checkpoints:
-    """``sv.Checkpointer`` every ``every`` steps, a CSV of the per-step statistics, and preemption.
+    """``sv.Checkpointer`` every ``every`` steps (``directory/state``, with the config), and on a preemption notice.
 
-    ``directory/state`` holds the last three states (asynchronous, atomic, restorable on any
-    device or process count) with the run's config; ``directory/stats.csv`` one row per step,
-    appended by process 0 (shortest round-trip floats: a resumed run reads its history back
-    exactly). Without a directory nothing is written, and a preemption notice still stops the run.
+    ``directory/stats.csv`` has a row per step, appended by process 0 in shortest round-trip
+    floats (a resumed run reads its history back exactly).
     """
 
     def __init__(self, directory: str | None, every: int, columns: Sequence[str]):
@@ -228,12 +185,10 @@ def finish(args: argparse.Namespace, summary: dict[str, Any], *, title: str, pha
     ax.axhline(exact, color="k", ls="--", label=f"exact {exact}")
     if hf is not None:
         ax.axhline(hf, color="r", ls=":", label=f"Hartree-Fock {hf}")
-    if 0 < phases < e.size:
-        ax.axvline(phases + 0.5, color="gray", lw=0.5)  # where the evaluation starts
-    finite = e[np.isfinite(e)]  # the frame covers the data (2nd to 98th percentile) and the reference lines
-    low, high = np.percentile(finite, [2, 98]) if finite.size else (exact, exact)
-    low, high = min(low, exact), max(high, exact if hf is None else hf)
-    ax.set_ylim(low - (0.05 * (high - low) or 0.01), high + (0.05 * (high - low) or 0.01))
+    ax.axvline(phases + 0.5, color="gray", lw=0.5)  # where the evaluation starts
+    low, high = np.nanpercentile(np.where(np.isfinite(e), e, np.nan), [2, 98]) if np.isfinite(e).any() else (exact,) * 2
+    margin = 0.05 * (max(high, hf or exact) - min(low, exact)) or 0.01  # the data and the reference lines
+    ax.set_ylim(min(low, exact) - margin, max(high, hf or exact) + margin)
     ax.set(xlabel="step", ylabel="energy (Ha)", title=title)
     ax.legend()
     fig.tight_layout()
