@@ -80,7 +80,7 @@ def make_steps(config: vmc.Config, mesh: Any) -> vmc.Steps:
     optimiser = svk.Optimizer(
         jax.value_and_grad(make_loss(system, config.clip), has_aux=True), l2_reg=0.0, mesh=mesh,
         pmap_axis_name=AXIS, value_func_has_aux=True, value_func_has_rng=True,
-        learning_rate_schedule=vmc.schedule(config), norm_constraint=config.max_norm, estimation_mode="fisher_exact",
+        learning_rate_schedule=config.schedule, norm_constraint=config.max_norm, estimation_mode="fisher_exact",
         inverse_update_period=1, curvature_ema=0.95, min_damping=1e-4, num_burnin_steps=0,
     )  # fmt: skip
     sampler = vmc.make_sampler(config, mesh)

@@ -9,8 +9,7 @@ Copy it with ``network.py`` and ``plumbing.py``; figures and their commands: ``d
 
     python examples/neural_vmc.py --system Li                      # minSR; 8 fake CPU devices
     python examples/neural_vmc.py --quick --devices 1              # a smoke test: seconds
-    python examples/neural_vmc.py --checkpoint run --checkpoint-every 50             # kill it, then:
-    python examples/neural_vmc.py --checkpoint run --checkpoint-every 50 --resume --devices 4
+    python examples/neural_vmc.py --checkpoint run --checkpoint-every 50 [--resume --devices 4]   # go on after a stop
     python -m shardvmc.launch --processes 2 --devices-per-process 2 -- python examples/neural_vmc.py --quick
 """
 
@@ -64,10 +63,13 @@ class Config:
     batch_size: int | None = None
     x64: bool = True
 
+    def schedule(self, t: jax.Array) -> jax.Array:
+        """FermiNet's inverse-time decay of the learning rate (optax has none), an optax schedule."""
+        return self.lr / (1.0 + t / self.lr_decay)
+
 
 QUICK = {"walkers": 64, "steps": 6, "eval_steps": 4, "hidden": 8, "hidden_two": 4, "layers": 1,
-         "determinants": 1, "sweeps": 2, "burn_in": 4}  # fmt: skip
-"""``--quick``: a few steps of a tiny network on few walkers (a smoke test, and the tests' runs)."""
+         "determinants": 1, "sweeps": 2, "burn_in": 4}  # fmt: skip  # --quick: a tiny network (a smoke test)
 
 
 # --8<-- [start:kernels]
@@ -123,11 +125,6 @@ class Steps(NamedTuple):
     evaluate: Callable[..., Any]
 
 
-def schedule(config: Config) -> Callable[[jax.Array], jax.Array]:
-    """FermiNet's inverse-time decay (optax has none), as an optax schedule."""
-    return lambda t: config.lr / (1.0 + t / config.lr_decay)
-
-
 @functools.cache
 def make_sampler(config: Config, mesh: Any) -> sv.mcmc.Metropolis:
     """``config.sweeps`` all-electron Gaussian moves per call, the width adapted towards 50 % acceptance."""
@@ -143,8 +140,8 @@ def make_steps(config: Config, mesh: Any) -> Steps:
     optimiser = optax.chain(
         svx.natural_gradient(damping=config.damping, method=config.optimiser,
                              momentum=config.momentum * (config.optimiser == "spring")),
-        svx.clip_by_fisher_norm(config.max_norm, schedule(config)),
-        optax.scale_by_learning_rate(schedule(config)),
+        svx.clip_by_fisher_norm(config.max_norm, config.schedule),
+        optax.scale_by_learning_rate(config.schedule),
     )  # fmt: skip
 
     @jax.jit
@@ -281,9 +278,10 @@ def report(s: dict[str, Any], quick: bool) -> list[str]:
 def main(argv: Sequence[str] | None = None, make: Callable[[Any, Any], Steps] = make_steps,
          config_class: type = Config, optimisers: Sequence[str] = OPTIMISERS) -> dict[str, Any]:  # fmt: skip
     """Run the example from the command line (the training method ``make``, settings ``config_class``)."""
-    args = plumbing.parse_args(argv, config_class, __doc__, {"system": sorted(SYSTEMS), "optimiser": optimisers})
+    choices = {"system": sorted(SYSTEMS), "optimiser": optimisers}
+    args, config = plumbing.parse_args(argv, config_class, QUICK, __doc__, choices)
     mesh = plumbing.start(args.devices)
-    config, printer = plumbing.make_config(args, config_class, QUICK), plumbing.printer()
+    printer = print if plumbing.is_lead() else (lambda *_: None)
     summary = run(config, mesh, make=make, checkpoint=args.checkpoint, checkpoint_every=args.checkpoint_every,
                   resume=args.resume, stop_after=args.stop_after, print_every=args.print_every,
                   printer=printer)  # fmt: skip

@@ -54,8 +54,11 @@ def add_arguments(parser: argparse.ArgumentParser, *, checkpoints: bool = True) 
         parser.add_argument("--stop-after", type=int, default=None, help="stop (with a checkpoint) after this step")
 
 
-def parse_args(argv: Sequence[str] | None, config: type, description: str, choices: dict[str, Any]) -> Any:
-    """An option per field of the dataclass ``config`` (``--float32`` for ``x64``), ``--quick`` and the common ones."""
+def parse_args(
+    argv: Sequence[str] | None, config: type, quick: dict[str, Any], description: str, choices: dict[str, Any]
+) -> tuple[argparse.Namespace, Any]:
+    """``(args, config)``: an option per field of the dataclass ``config`` (``--float32`` for ``x64``), ``--quick``
+    (the defaults updated with ``quick``, then with the options given) and the options every example has."""
     p = argparse.ArgumentParser(description=description.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     types = {"int": int, "float": float, "str": str, "int | None": int}
     for field in dataclasses.fields(config):
@@ -65,15 +68,11 @@ def parse_args(argv: Sequence[str] | None, config: type, description: str, choic
     p.add_argument("--quick", action="store_true", help="a few steps of a tiny network (a smoke test)")
     p.add_argument("--float32", action="store_true", help="compute in float32")
     add_arguments(p)
-    return p.parse_args(argv)
-
-
-def make_config(args: argparse.Namespace, config: type, quick: dict[str, Any]) -> Any:
-    """The ``config`` of a command line: the defaults, ``quick``'s with ``--quick``, then the options given."""
+    args = p.parse_args(argv)
     values = dict(quick) if args.quick else {}
     values.update({f.name: getattr(args, f.name) for f in dataclasses.fields(config) if f.name != "x64"
                    and getattr(args, f.name) is not None})  # fmt: skip
-    return config(**values, x64=not args.float32)
+    return args, config(**values, x64=not args.float32)
 
 
 def is_lead() -> bool:
@@ -83,22 +82,15 @@ def is_lead() -> bool:
     return jax.process_index() == 0
 
 
-def printer() -> Callable[..., Any]:
-    """``print`` on process 0, a no-op on the others."""
-    return print if is_lead() else (lambda *_: None)
-
-
 class Progress:
-    """A line every ``every`` steps: the statistics, walkers per second (from the end of the first step, which
-    compiles), and the time left."""
+    """A line every ``every`` steps: the statistics, the walkers per second (after the first step: it compiles)."""
 
     def __init__(self, total: int, first: int, walkers: int, printer: Callable[[str], Any], every: int):
         self.total, self.first, self.walkers, self.printer, self.every = total, first, walkers, printer, every
         self.t0 = 0.0
 
     def update(self, t: int, phase: str, energy: float, variance: float, acceptance: float) -> None:
-        """Report step ``t`` (0-based, just finished)."""
-        if not self.t0:
+        if not self.t0:  # step t (from 0) has just finished
             self.t0, self.first = time.perf_counter(), t + 1
         rate = (t + 1 - self.first) / max(time.perf_counter() - self.t0, 1e-9)  # steps per second
         if self.every and (t + 1 == self.first or (t + 1) % self.every == 0 or t + 1 == self.total):
@@ -108,14 +100,11 @@ class Progress:
 
 
 class Checkpoints:
-    """``sv.Checkpointer`` every ``every`` steps (``directory/state``, with the config), and on a preemption notice.
-
-    ``directory/stats.csv`` has a row per step, appended by process 0 in shortest round-trip
-    floats (a resumed run reads its history back exactly).
-    """
+    """``sv.Checkpointer`` every ``every`` steps (``directory/state``, with the config), and on a preemption notice;
+    ``directory/stats.csv``: a row per step in shortest round-trip floats (read back exactly on a resume)."""
 
     def __init__(self, directory: str | None, every: int, columns: Sequence[str]):
-        self.every, self.columns, self.name = every, list(columns), directory
+        self.every, self.columns = every, list(columns)
         self.directory = None if directory is None else Path(directory)
         self.manager = None if self.directory is None else sv.Checkpointer(self.directory / "state")
         self._length = -1  # rows in stats.csv as this process last wrote it (-1: not written yet)
@@ -131,12 +120,12 @@ class Checkpoints:
         differ = {k for k, v in metadata["config"].items() if k not in ("steps", "eval_steps", "batch_size")
                   and getattr(config, k) != v}  # fmt: skip
         if differ:
-            raise SystemExit(f"{self.name} was written with other settings: {sorted(differ)}")
+            raise SystemExit(f"{self.directory} was written with other settings: {sorted(differ)}")
         with open(self.directory / "stats.csv", newline="") as f:  # type: ignore[operator]
             rows = [[float(v) for v in row] for row in list(csv.reader(f))[1:]][: metadata["step"]]
         if len(rows) != metadata["step"]:
             raise SystemExit(f"{self.directory}/stats.csv holds {len(rows)} steps, the state {metadata['step']}")
-        printer(f"resumed from {self.name} at step {metadata['step']}")
+        printer(f"resumed from {self.directory} at step {metadata['step']}")
         return state, rows
 
     def after_step(self, step: int, history: list[list[float]], state: Any, config: Any, last: bool) -> bool:
@@ -191,6 +180,5 @@ def finish(args: argparse.Namespace, summary: dict[str, Any], *, title: str, pha
     ax.set_ylim(min(low, exact) - margin, max(high, hf or exact) + margin)
     ax.set(xlabel="step", ylabel="energy (Ha)", title=title)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(args.plot, dpi=120)
+    fig.savefig(args.plot, dpi=120, bbox_inches="tight")
     plt.close(fig)

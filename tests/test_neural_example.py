@@ -139,10 +139,9 @@ def test_clipping_against_numpy(neural):
 
 
 def test_settings_from_the_command_line(neural):
-    plumbing = neural.plumbing
-    parse = lambda argv, config=neural.Config, optimisers=neural.OPTIMISERS: plumbing.make_config(  # noqa: E731
-        plumbing.parse_args(argv, config, "", {"optimiser": optimisers}), config, neural.QUICK
-    )
+    def parse(argv, config=neural.Config, optimisers=neural.OPTIMISERS):
+        return neural.plumbing.parse_args(argv, config, neural.QUICK, "", {"optimiser": optimisers})[1]
+
     assert parse([]) == neural.Config()  # minSR, the CPU default too
     for name in neural.OPTIMISERS:
         assert parse(["--optimiser", name]).optimiser == name
@@ -193,7 +192,7 @@ def test_systems_are_data(neural):
 def test_command_line_json_and_plot(neural, tmp_path, capsys):
     # In-process, with the settings of the `runs` fixture: its compiled steps are reused.
     path = tmp_path / "li.json"
-    args = ["--quick", "--walkers", "61", "--optimiser", "spring", "--devices", "8", "--no-bar"]
+    args = ["--quick", "--walkers", "61", "--optimiser", "spring", "--devices", "8"]
     summary = neural.main([*args, "--json", str(path), "--plot", str(tmp_path / "li.png"), "--print-every", "1"])
     lines = capsys.readouterr().out.strip().splitlines()
     progress = [line for line in lines if re.match(r"(opt |eval) step +\d+/10 +E = ", line)]
@@ -228,7 +227,7 @@ def _env() -> dict[str, str]:
 
 def test_a_copied_kfac_run_stops_on_sigterm_and_resumes_on_another_device_count(tmp_path):
     folder = _copied_example(tmp_path)
-    command = [sys.executable, "-u", "kfac_vmc.py", "--quick", "--no-bar"]
+    command = [sys.executable, "-u", "kfac_vmc.py", "--quick"]
     command += ["--print-every", "1", "--checkpoint", "run"]
     pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}
     proc = subprocess.Popen([*command, "--devices", "2"], cwd=folder, env=_env(), **pipes)
