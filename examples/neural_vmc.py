@@ -27,7 +27,6 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import plumbing
-from jax.flatten_util import ravel_pytree
 from network import SYSTEMS, System, init, init_walker, log_psi
 
 import shardvmc as sv
@@ -224,7 +223,7 @@ def run(config: Config, mesh: Any, *, make: Callable[[Config, Any], Steps] = mak
                 status = "preempted"
                 break
         saves.close()
-    n_params = int(ravel_pytree(state.params)[0].size)
+    n_params = sum(x.size for x in jax.tree.leaves(state.params))
     return summarise(config, history, status, mesh, n_params, time.perf_counter() - start_time, compile_seconds)
 
 

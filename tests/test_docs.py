@@ -287,7 +287,7 @@ def test_site_builds_strict(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     page = (tmp_path / "site" / "getting-started" / "index.html").read_text()
-    assert "metropolis_step" in page and "make_step" in page  # the example's snippets were included
+    assert "make_kernels" in page and "make_step" in page  # the example's snippets were included
 
 
 if __name__ == "__main__":  # the one-device run of test_code_examples_run_on_one_device: python test_docs.py PAGE...
