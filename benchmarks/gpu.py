@@ -429,7 +429,8 @@ def neural_rows(guard: Guard, mesh: Any, sizes: Sizes, optimiser: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     here = os.path.dirname(os.path.abspath(__file__))
-    sys.path[:0] = [here, os.path.join(os.path.dirname(here), "examples"), os.path.dirname(here)]
+    # tests/: the model corpus (tests/models) of section 8; harness.neural_example puts examples/ on the path itself.
+    sys.path[:0] = [here, os.path.join(os.path.dirname(here), "tests"), os.path.dirname(here)]
     cpu_devices = args.cpu_devices or (8 if args.smoke else 0)
     if cpu_devices:
         from shardvmc.testing import set_cpu_devices
