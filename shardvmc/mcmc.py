@@ -38,6 +38,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -98,12 +99,14 @@ def adapt_width(width: jax.Array, acceptance: jax.Array, target: float = 0.5, ra
     A Robbins-Monro step on ``log width``. Its only fixed point is the width whose
     expected acceptance is ``target`` (the acceptance falls as the width grows, from 1
     to 0 for any normalisable ``|psi|^2``), the width stays positive, and it runs inside
-    the jitted step (no host round trip). Near the fixed point the acceptance falls by
-    about ``0.3 - 0.5`` per unit of ``log width``, so a ``rate`` below 2 converges
-    without oscillating; the width then wanders by about ``rate`` times the noise of the
-    acceptance (small for many walkers). FermiNet's rule (a 10 % step every 100 calls
-    when the mean acceptance leaves [0.5, 0.55]) reads the acceptance on the host and
-    takes hundreds of steps to correct a poor initial width.
+    the jitted step (no host round trip). Near an acceptance of 0.5 the acceptance of a
+    random-walk proposal falls by about 0.43 per unit of ``log width`` (the optimal-scaling
+    limit, ``2 Phi(-l sqrt(I) / 2)``), so a ``rate`` below about 2 converges without
+    oscillating; the width then wanders by about ``rate`` times the noise of the
+    acceptance (small for many walkers). A ``nan`` acceptance (none measured) keeps the
+    width. FermiNet's rule (a 10 % step every 100 calls when the mean acceptance leaves
+    [0.5, 0.55]) reads the acceptance on the host, and correcting a width 10 times off
+    takes it 25 adjustments, 2,500 calls; this rule takes a few tens of calls.
 
     Args:
         width: the current width (a scalar array).
@@ -122,7 +125,8 @@ def adapt_width(width: jax.Array, acceptance: jax.Array, target: float = 0.5, ra
     """
     width = jnp.asarray(width)
     acceptance = jnp.asarray(acceptance, width.dtype)
-    return width * jnp.exp(jnp.asarray(rate, width.dtype) * (acceptance - jnp.asarray(target, width.dtype)))
+    new = width * jnp.exp(jnp.asarray(rate, width.dtype) * (acceptance - jnp.asarray(target, width.dtype)))
+    return jnp.where(jnp.isfinite(acceptance), new, width)  # no acceptance measured (nan): keep the width
 
 
 def _positions(r: Any) -> jax.Array:
@@ -147,7 +151,8 @@ class Metropolis:
             (for sampling a fixed distribution exactly, after the burn-in).
         mesh: the mesh of the kernels (``None``: resolved at each call, like ``walker_parallel``).
         axis_name: the walker axis (or axes) of the mesh.
-        batch_size: chunk each device's walkers (``walker_parallel``'s option), bounding memory.
+        batch_size: chunk each device's walkers (``walker_parallel``'s option: an int or
+            ``"auto"``), bounding memory without changing the chains.
 
     Attributes:
         kernel: the moves as a walker-parallel kernel,
@@ -156,8 +161,9 @@ class Metropolis:
             ``refresh`` (a Python bool) recomputes the cached ``log|psi|`` first; the
             acceptance is a ``Mean`` over the valid walkers. Called inside another
             walker-parallel body it runs for that body's walker.
-        evaluate: ``evaluate(params, r) -> walkers``: :class:`Walker` s with ``log|psi|``
-            computed at the positions ``r`` (or at a :class:`Walker` set's positions).
+        evaluate: ``evaluate(params, r) -> walkers``: a set of :class:`Walker` with
+            ``log|psi|`` computed at the positions ``r`` (or at the positions of a set of
+            :class:`Walker`).
 
     Raises:
         CallError: an unknown ``move``, ``n_steps < 1``, or a negative ``adapt_rate``.
@@ -180,20 +186,21 @@ class Metropolis:
     adapt_rate: float = 0.5
     mesh: Mesh | None = None
     axis_name: str | tuple[str, ...] = "walkers"
-    batch_size: int | None = None
+    batch_size: int | str | None = None
     kernel: WalkerParallel = dataclasses.field(init=False, repr=False)
     evaluate: WalkerParallel = dataclasses.field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.move not in MOVES:
             raise CallError(message(_WHERE, f"move={self.move!r} is not a known proposal.", expected=str(MOVES)))
-        if not isinstance(self.n_steps, int) or self.n_steps < 1:
+        if not isinstance(self.n_steps, numbers.Integral) or isinstance(self.n_steps, bool) or self.n_steps < 1:
             raise CallError(message(_WHERE, f"n_steps={self.n_steps!r} must be a positive int."))
         if not self.adapt_rate >= 0:
             raise CallError(
                 message(_WHERE, f"adapt_rate={self.adapt_rate!r} must be >= 0.", fix="pass 0 to keep the width.")
             )
         options = {"mesh": self.mesh, "axis_name": self.axis_name, "batch_size": self.batch_size}
+        object.__setattr__(self, "n_steps", int(self.n_steps))
         moves = _make_moves(self.log_psi, self.n_steps, self.move)
         evaluate = _make_evaluate(self.log_psi)
         object.__setattr__(self, "kernel", walker_parallel(**options)(moves))
@@ -227,8 +234,11 @@ class Metropolis:
         walkers = self.evaluate(params, positions)
         dtype = walkers.data.log_psi.dtype
         scalars = (jnp.asarray(width, dtype), jnp.asarray(jnp.nan, dtype))
-        sharding = getattr(walkers.data.log_psi, "sharding", None)
-        if isinstance(sharding, NamedSharding) and not isinstance(scalars[0], jax.core.Tracer):
+        try:  # a traced array (init inside jax.jit) has no sharding: nothing to place there
+            sharding = walkers.data.log_psi.sharding
+        except AttributeError:
+            sharding = None
+        if isinstance(sharding, NamedSharding) and isinstance(sharding.mesh, Mesh):
             # Placed like the outputs of a step, so that a jitted step sees the same input shardings at its first
             # and second call (an unplaced width would compile the step twice).
             scalars = replicate(scalars, sharding.mesh)
