@@ -170,22 +170,22 @@ def steps(args: argparse.Namespace) -> dict[str, Any]:
     mesh = sv.create_mesh()
     root = jax.random.key(config.seed)
     with jax.enable_x64(True), sv.use_mesh(mesh):
-        _, train, _ = nv.make_steps(config, mesh)
-        state, walkers = nv.initial_state(config, mesh)
+        steps = nv.make_steps(config, mesh)
+        state = nv.initial_state(config, mesh, steps)
         n_params = int(ravel_pytree(state.params)[0].size)
         t = 0
         blocking: list[float] = []
 
         def block(ckpt: Any) -> float:
-            nonlocal state, walkers, t
+            nonlocal state, t
             start = time.perf_counter()
             for _ in range(args.block):
-                state, walkers, stats = train(state, walkers, jax.random.fold_in(root, t + 1))
+                state, stats = steps.train(state, jax.random.fold_in(root, t + 1))
                 np.asarray(stats)  # the example reads the statistics every step
                 t += 1
                 if ckpt is not None and t % args.every == 0:
                     s0 = time.perf_counter()
-                    ckpt.save(t, {"state": state, "walkers": walkers, "step": t, "key": root})
+                    ckpt.save(t, {"state": state, "step": t, "key": root})
                     blocking.append(time.perf_counter() - s0)
             return (time.perf_counter() - start) / args.block
 
@@ -203,7 +203,7 @@ def steps(args: argparse.Namespace) -> dict[str, Any]:
                 ratios.append(pair["saving"] / pair["plain"])
                 print(f"rep {rep}: {pair['plain']:.3f} s/step plain, {pair['saving']:.3f} saving", file=sys.stderr)
             ckpt.wait()
-            arrays = [x for x in jax.tree.leaves((state, walkers)) if hasattr(x, "dtype") and x.ndim]
+            arrays = [x for x in jax.tree.leaves(state) if hasattr(x, "dtype") and x.ndim]
             state_bytes = sum(np.dtype(x.dtype).itemsize * x.size for x in arrays)
     q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
     result = {

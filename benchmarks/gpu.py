@@ -3,7 +3,7 @@
 The rows, each speed a ratio of two variants timed in turn (``harness.interleaved``:
 median over repetitions [quartiles]), all in ONE table:
 
-- **8, kernels**: the corpus's FermiNet-style network (``examples/models``: Li, 2 layers
+- **8, kernels**: the corpus's FermiNet-style network (``tests/models``: Li, 2 layers
   of 32/8 hidden units, 4 determinants, 4,753 parameters; local energy by folx's
   forward Laplacian), per-walker output, decorated / hand-written
   ``jax.jit(shard_map(vmap))`` at 4,096, 16,384 and 65,536 walkers (and at the largest
@@ -388,26 +388,26 @@ def neural_rows(guard: Guard, mesh: Any, sizes: Sizes, optimiser: str) -> None:
 
         def run(config: Any = config, n: int = n, what: str = what) -> None:
             with jax.enable_x64(True), sv.use_mesh(mesh):
-                _, train, evaluate = neural.make_steps(config, mesh)
-                state, walkers = neural.initial_state(config, mesh)  # includes the burn-in's evaluation steps
+                steps = neural.make_steps(config, mesh)
+                state = neural.initial_state(config, mesh, steps)  # includes the burn-in's evaluation steps
                 n_params = int(ravel_pytree(state.params)[0].size)
-                for name, step, extra in (("optimisation", train, ()), ("evaluation", evaluate, ())):
+                for name, step, extra in (("optimisation", steps.train, ()), ("evaluation", steps.evaluate, ())):
                     if name not in sizes.neural_steps:
                         continue
                     start = time.perf_counter()
-                    step = step.lower(state, walkers, jax.random.key(1), *extra).compile()  # called as compiled
+                    step = step.lower(state, jax.random.key(1), *extra).compile()  # called as compiled
                     mem = step.memory_analysis()
                     per_device = (
                         mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes
                     ) / 2**20
-                    jax.block_until_ready(step(state, walkers, jax.random.key(1), *extra))
+                    jax.block_until_ready(step(state, jax.random.key(1), *extra))
                     first = time.perf_counter() - start
                     start = time.perf_counter()
-                    jax.block_until_ready(step(state, walkers, jax.random.key(2), *extra))
+                    jax.block_until_ready(step(state, jax.random.key(2), *extra))
                     times = []
                     for rep in range(guard.reps(time.perf_counter() - start)):
                         start = time.perf_counter()
-                        jax.block_until_ready(step(state, walkers, jax.random.key(rep + 3), *extra))
+                        jax.block_until_ready(step(state, jax.random.key(rep + 3), *extra))
                         times.append(time.perf_counter() - start)
                     step_s = median(times)
                     label = f"{what}, {name} step ({n_params} parameters, {config.sweeps} moves per step)"
@@ -429,7 +429,8 @@ def neural_rows(guard: Guard, mesh: Any, sizes: Sizes, optimiser: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     here = os.path.dirname(os.path.abspath(__file__))
-    sys.path[:0] = [here, os.path.join(os.path.dirname(here), "examples"), os.path.dirname(here)]
+    # tests/: the model corpus (tests/models) of section 8; harness.neural_example puts examples/ on the path itself.
+    sys.path[:0] = [here, os.path.join(os.path.dirname(here), "tests"), os.path.dirname(here)]
     cpu_devices = args.cpu_devices or (8 if args.smoke else 0)
     if cpu_devices:
         from shardvmc.testing import set_cpu_devices

@@ -30,7 +30,7 @@ AXIS = "walkers"
 def neural_example() -> Any:
     """``examples/neural_vmc.py`` loaded as the module ``neural_vmc``, with ``examples/`` on the path.
 
-    As ``python examples/neural_vmc.py`` has it: the example imports its ``models`` and ``plumbing`` from there.
+    As ``python examples/neural_vmc.py`` has it: the example imports its ``network`` and ``plumbing`` from there.
     """
     examples = Path(__file__).resolve().parents[1] / "examples"
     if str(examples) not in sys.path:

@@ -1,6 +1,6 @@
 """KFAC: shardvmc.kfac's step against kfac-jax's own pmap step (FermiNet's), side by side.
 
-FermiNet's loss pattern (``examples/models/kfac_loss.py``: ``custom_jvp``, ``pmean`` over
+FermiNet's loss pattern (``tests/models/kfac_loss.py``: ``custom_jvp``, ``pmean`` over
 ``"qmc_pmap_axis"``, clipping, a folx-free Laplacian) on a small FermiNet-style network
 for Li, FermiNet's KFAC settings (``fisher_exact``, the norm constraint), on 8 fake CPU
 devices. The steppers run in turn in every repetition (``harness.interleaved``), each
@@ -51,7 +51,7 @@ def main(argv=None):
     from shardvmc.testing import set_cpu_devices
 
     set_cpu_devices(args.devices)
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))  # the model corpus, tests/models
     import jax
 
     jax.config.update("jax_enable_x64", args.float64)

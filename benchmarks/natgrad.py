@@ -349,10 +349,10 @@ def neural_step(report: Any, facts: dict[str, Any], mesh: Any, args: argparse.Na
     with jax.enable_x64(True), sv.use_mesh(mesh):
         for optimiser in ("minsr", "cg"):
             config = dataclasses.replace(neural.Config(), walkers=n, optimiser=optimiser)
-            _, train, _ = neural.make_steps(config, mesh)
-            state, walkers = neural.initial_state(config, mesh)
+            steps = neural.make_steps(config, mesh)
+            state = neural.initial_state(config, mesh, steps)
             n_params = int(ravel_pytree(state.params)[0].size)
-            step = train.lower(state, walkers, jax.random.key(1)).compile()
+            step = steps.train.lower(state, jax.random.key(1)).compile()
             settings = (
                 [(None, "default threads")]
                 if blas is None
@@ -360,10 +360,10 @@ def neural_step(report: Any, facts: dict[str, Any], mesh: Any, args: argparse.Na
             )
             for k, label in settings:
 
-                def thunk(step: Any = step, state: Any = state, walkers: Any = walkers, k: Any = k) -> Any:
+                def thunk(step: Any = step, state: Any = state, k: Any = k) -> Any:
                     if k is not None:
                         blas[0](k)
-                    return step(state, walkers, jax.random.key(2))
+                    return step(state, jax.random.key(2))
 
                 thunks[f"{optimiser}, {label}"] = thunk
         times = harness.interleaved(thunks, args.breakdown_reps)

@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     here = os.path.dirname(os.path.abspath(__file__))
     sys.path.insert(0, here)
-    sys.path.insert(1, os.path.join(os.path.dirname(here), "examples"))  # the model corpus, examples/models
+    sys.path.insert(1, os.path.join(os.path.dirname(here), "tests"))  # the model corpus, tests/models
     import sections  # imported here: JAX may start only after the device count is set
     import system
 

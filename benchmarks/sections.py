@@ -143,7 +143,7 @@ def kernel_cost(cfg: Config, report: Report) -> None:
     """Decorated local energy vs the hand-written jit(shard_map(vmap)), per-walker and Mean outputs.
 
     Two workloads: the Slater-Jastrow system of the run, and a FermiNet-style network of the
-    model corpus (``examples/models``; Li, folx forward Laplacian), the code researchers write.
+    model corpus (``tests/models``; Li, folx forward Laplacian), the code researchers write.
     """
     params, r = cfg.params(), cfg.walker_set(cfg.walkers)
     for output in ("walker", "mean"):

@@ -4,12 +4,13 @@ The trial function is the Slater-Jastrow (Pade-Jastrow) form
 
     psi(r1, r2) = exp(-alpha (r1 + r2)) * exp(r12 / (2 (1 + beta r12)))
 
-with two parameters, optimised by stochastic reconfiguration (SR). Every piece of
-per-walker physics (the Metropolis step, the local energy, the log-derivatives) is
-written for ONE walker and made walker-parallel with ``sv.walker_parallel``; the
-statistics come out of the kernels as ``Mean`` outputs and the SR update from
-``sv.natural_gradient`` (dense SR on ``sv.jtj`` / ``sv.jtv``), so per-walker data never
-leaves its device.
+with two parameters, optimised by stochastic reconfiguration (SR). The wavefunction and
+the potential are written for ONE walker; ``sv.mcmc.Metropolis`` samples ``|psi|^2`` and
+``sv.hamiltonian.local_energy`` gives the local energy (folx's forward Laplacian), both
+walker-parallel kernels; the measurement is one made with ``sv.walker_parallel``. The
+statistics come out of the kernels as ``Mean`` outputs and the SR update from the optax
+chain of ``shardvmc.optax`` (dense SR on ``sv.jtj`` / ``sv.jtv``), so per-walker data
+never leaves its device.
 
 Run it (8 fake CPU devices when there is no accelerator):
 
@@ -31,15 +32,16 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import chex
-import folx
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import plumbing
 from jax.flatten_util import ravel_pytree
 from jax.sharding import Mesh
 
 import shardvmc as sv
+import shardvmc.optax as svx
 
 EXACT = -2.903724
 """The exact non-relativistic ground-state energy of helium, in Hartree."""
@@ -60,14 +62,6 @@ class Params:
     beta: jax.Array
 
 
-@chex.dataclass
-class Walker:
-    """One walker: both electrons' positions and log|psi| there (for the current parameters)."""
-
-    r: jax.Array  # (2, 3)
-    log_psi: jax.Array  # ()
-
-
 def log_psi(params: Params, r: jax.Array) -> jax.Array:
     """log|psi| of one configuration ``r`` of shape (2, 3)."""
     r1 = jnp.linalg.norm(r[0])
@@ -76,21 +70,19 @@ def log_psi(params: Params, r: jax.Array) -> jax.Array:
     return -params.alpha * (r1 + r2) + r12 / (2.0 * (1.0 + params.beta * r12))
 
 
-def local_energy(params: Params, r: jax.Array) -> jax.Array:
-    """E_loc = (H psi) / psi at ``r``, the kinetic part from ``folx.forward_laplacian``."""
-    out = folx.forward_laplacian(lambda x: log_psi(params, x.reshape(2, 3)))(r.reshape(6))
-    grad = out.jacobian.dense_array.reshape(-1)
-    kinetic = -0.5 * (out.laplacian + jnp.sum(grad**2))
-    r1 = jnp.linalg.norm(r[0])
-    r2 = jnp.linalg.norm(r[1])
-    r12 = jnp.linalg.norm(r[0] - r[1])
-    potential = -2.0 / r1 - 2.0 / r2 + 1.0 / r12
-    return kinetic + potential
+def potential(r: jax.Array) -> jax.Array:
+    """The Coulomb energy of the two electrons and the nucleus (charge 2) at the origin."""
+    return sv.hamiltonian.coulomb(r, charges=[2.0], coords=[[0.0, 0.0, 0.0]])
 
 
-def init_walker(key: jax.Array) -> Walker:
-    """A walker at random positions around the nucleus (log_psi filled in later)."""
-    return Walker(r=jax.random.normal(key, (2, 3)), log_psi=jnp.zeros(()))
+# E_loc = (H psi) / psi, the kinetic part from folx's forward Laplacian of log|psi|: a walker-parallel kernel,
+# and the local energy of the walker when called inside another kernel's body (as `measure` does).
+local_energy = sv.hamiltonian.local_energy(log_psi, potential)
+
+
+def init_walker(key: jax.Array) -> jax.Array:
+    """A walker (both electrons' positions) at random around the nucleus."""
+    return jax.random.normal(key, (2, 3))
 
 
 # --8<-- [end:model]
@@ -98,49 +90,17 @@ def init_walker(key: jax.Array) -> Walker:
 
 # --8<-- [start:kernels]
 @sv.walker_parallel
-def metropolis_step(
-    params: sv.Replicated[Params],
-    walker: sv.PerWalker[Walker],
-    key: sv.WalkerKey,
-    step_size: sv.Static[float],
-) -> tuple[sv.PerWalker[Walker], sv.Mean[jax.Array]]:
-    """One Metropolis move of ONE walker; returns the new walker and the acceptance (averaged)."""
-    k_move, k_accept = jax.random.split(key)
-    proposal = walker.r + step_size * jax.random.normal(k_move, walker.r.shape)
-    new_log_psi = log_psi(params, proposal)
-    log_ratio = 2.0 * (new_log_psi - walker.log_psi)
-    accept = jnp.log(jax.random.uniform(k_accept)) < log_ratio
-    new = Walker(
-        r=jnp.where(accept, proposal, walker.r),
-        log_psi=jnp.where(accept, new_log_psi, walker.log_psi),
-    )
-    return new, accept.astype(walker.r.dtype)
-
-
-@sv.walker_parallel
-def refresh(params: sv.Replicated[Params], walker: sv.PerWalker[Walker]) -> sv.PerWalker[Walker]:
-    """Recompute the cached log|psi| of one walker for new parameters."""
-    return Walker(r=walker.r, log_psi=log_psi(params, walker.r))
-
-
-@sv.walker_parallel
 def measure(
-    params: sv.Replicated[Params], walker: sv.PerWalker[Walker]
-) -> tuple[
-    sv.PerWalker[jax.Array],
-    sv.PerWalker[jax.Array],
-    sv.Mean[jax.Array],
-    sv.Mean[jax.Array],
-    sv.Mean[jax.Array],
-]:
+    params: sv.Replicated[Params], r: sv.PerWalker[jax.Array]
+) -> tuple[sv.PerWalker[jax.Array], sv.PerWalker[jax.Array], sv.Mean[jax.Array], sv.Mean[jax.Array]]:
     """Local energy and log-derivatives of ONE walker.
 
     Returns the per-walker energy ``e`` and log-derivative row ``j`` (both stay sharded,
-    for ``sv.natural_gradient``), and the means of ``e``, ``e**2`` and ``j``.
+    for the natural gradient), and the means of ``e`` and ``e**2``.
     """
-    e = local_energy(params, walker.r)
-    j = ravel_pytree(jax.grad(log_psi)(params, walker.r))[0]
-    return e, j, e, e**2, j
+    e = local_energy(params, r)
+    j = ravel_pytree(jax.grad(log_psi)(params, r))[0]
+    return e, j, e, e**2
 
 
 # --8<-- [end:kernels]
@@ -148,21 +108,20 @@ def measure(
 
 # --8<-- [start:make_kernels]
 class Kernels(NamedTuple):
-    """The walker-parallel kernels of one run."""
+    """The walker-parallel pieces of one run."""
 
-    metropolis: sv.WalkerParallel
-    refresh: sv.WalkerParallel
+    sampler: sv.mcmc.Metropolis
     measure: sv.WalkerParallel
 
 
-def make_kernels(batch_size: int | None = None, mesh: Mesh | None = None) -> Kernels:
-    """The three kernels with the run's options: the same per-walker functions.
+def make_kernels(batch_size: int | None = None, mesh: Mesh | None = None, sweeps: int = 10) -> Kernels:
+    """The Metropolis sampler (``sweeps`` moves per call, a fixed width) and the measurement, with the run's options.
 
     ``batch_size`` bounds the memory of each device; ``mesh=None`` runs on the
     ``sv.use_mesh`` mesh, else on all devices.
     """
-    kernels = (metropolis_step, refresh, measure)
-    return Kernels(*(k.with_options(mesh=mesh, batch_size=batch_size) for k in kernels))
+    sampler = sv.mcmc.Metropolis(log_psi, n_steps=sweeps, adapt_rate=0.0, mesh=mesh, batch_size=batch_size)
+    return Kernels(sampler, measure.with_options(mesh=mesh, batch_size=batch_size))
 
 
 # --8<-- [end:make_kernels]
@@ -176,50 +135,44 @@ def make_kernels(batch_size: int | None = None, mesh: Mesh | None = None) -> Ker
 # --8<-- [start:step]
 @functools.cache
 def make_step(
-    mesh: Mesh, batch_size: int | None, sweeps: int, step_size: float, learning_rate: float, max_norm: float
-) -> Callable[..., Any]:
-    """One jitted VMC step: ``sweeps`` Metropolis moves, a measurement, and an SR update.
+    mesh: Mesh, batch_size: int | None, sweeps: int, learning_rate: float, max_norm: float
+) -> tuple[Kernels, optax.GradientTransformationExtraArgs, Callable[..., Any]]:
+    """The kernels, the optimiser, and one jitted VMC step: ``sweeps`` Metropolis moves, a measurement, an SR update.
 
-    ``step(params, walkers, key, update, energies) -> (params, walkers, energies, [energy,
-    variance, acceptance])``: with ``update`` the parameters change, else they stay and
-    the walkers' local energies are added to ``energies`` (a ``sv.StatsAccumulator``).
-    ``walkers`` is a ``sv.WalkerSet``: the kernels and ``sv.natural_gradient`` read its
-    count, so padding never enters a statistic. Cached, so runs with the same settings
-    (another seed, say) reuse the compiled step.
+    ``step(params, opt, walkers, key, update, energies) -> (params, opt, walkers, energies,
+    [energy, variance, acceptance])``: with ``update`` the parameters change, else they stay
+    and the walkers' local energies are added to ``energies`` (a ``sv.StatsAccumulator``).
+    ``walkers`` is the sampler's state, whose ``sv.WalkerSet`` the kernels and the natural
+    gradient read the count of, so padding never enters a statistic. Cached, so runs with
+    the same settings (another seed, say) reuse the compiled step.
     """
-    kernels = make_kernels(batch_size, mesh)
-
-    def sample(params: Params, walkers: sv.WalkerSet, key: jax.Array) -> tuple[sv.WalkerSet, jax.Array]:
-        def sweep(i: jax.Array, carry: tuple[sv.WalkerSet, jax.Array]) -> tuple[sv.WalkerSet, jax.Array]:
-            ws, acc = carry
-            ws, a = kernels.metropolis(params, ws, jax.random.fold_in(key, i), step_size)
-            return ws, acc + a / sweeps
-
-        return jax.lax.fori_loop(0, sweeps, sweep, (walkers, jnp.zeros(())))
+    kernels = make_kernels(batch_size, mesh, sweeps)
+    # --8<-- [start:sr]
+    # SR: delta = (S + damping)^-1 g with S = <j j^T> - <j><j>^T and the energy gradient
+    # g = 2 (<j e> - <j><e>) (the natural-gradient transform solves against <j e> - <j><e>: hence the 2).
+    # With P = 2 parameters the dense P x P solve is the one to use; its S comes from sv.jtj (one
+    # all-reduce), so j is never gathered. Trust region: the step's length in the SR metric,
+    # lr^2 delta.S.delta, is at most max_norm.
+    optimiser = optax.chain(
+        svx.natural_gradient(damping=1e-4, method="dense", mesh=mesh),
+        optax.scale(2.0),
+        svx.clip_by_fisher_norm(max_norm, learning_rate, mesh=mesh),
+        optax.scale_by_learning_rate(learning_rate),
+    )
+    # --8<-- [end:sr]
 
     @jax.jit
-    def step(params: Params, walkers: sv.WalkerSet, key: jax.Array, update: jax.Array, energies: Any) -> Any:
-        walkers, acceptance = sample(params, walkers, key)
-        e, j, e_mean, e2_mean, j_mean = kernels.measure(params, walkers)
-        # --8<-- [start:sr]
-        # SR: delta = (S + damping)^-1 g with S = <j j^T> - <j><j>^T and the energy gradient
-        # g = 2 (<j e> - <j><e>). With P = 2 parameters the dense P x P solve is the one to use;
-        # its S comes from sv.jtj (one all-reduce), so j is never gathered.
-        natural, _ = sv.natural_gradient(j, e, damping=1e-4, method="dense", mesh=mesh)
-        delta = 2.0 * natural
-        # Trust region: the step's length in the SR metric, lr^2 delta.S.delta, is at most max_norm
-        # (delta.S.delta is the variance of j.delta over the walkers).
-        delta_s_delta = sv.walker_mean(jax.tree.map(lambda x: (x @ delta) ** 2, j)) - (j_mean @ delta) ** 2
-        lr = jnp.minimum(learning_rate, jnp.sqrt(max_norm / delta_s_delta))
-        # --8<-- [end:sr]
-        flat, unravel = ravel_pytree(params)
-        params = unravel(flat - jnp.where(update, lr, 0.0) * delta)
-        params = params.replace(beta=jnp.maximum(params.beta, 0.05))  # keep the Jastrow free of poles
-        walkers = kernels.refresh(params, walkers)
+    def step(params: Params, opt: Any, walkers: Any, key: jax.Array, update: jax.Array, energies: Any) -> Any:
+        walkers = kernels.sampler.step(params, walkers, key)  # recomputes log|psi| first: params may have changed
+        e, j, e_mean, e2_mean = kernels.measure(params, walkers.positions)
+        updates, new_opt = optimiser.update(params, opt, params, jacobian=j, local_energies=e)
+        new_params = optax.apply_updates(params, updates)
+        new_params = new_params.replace(beta=jnp.maximum(new_params.beta, 0.05))  # keep the Jastrow free of poles
+        params, opt = jax.tree.map(lambda new, old: jnp.where(update, new, old), (new_params, new_opt), (params, opt))
         energies = jax.lax.cond(update, lambda acc: acc, lambda acc: acc.update(e), energies)
-        return params, walkers, energies, jnp.stack([e_mean, e2_mean - e_mean**2, acceptance])
+        return params, opt, walkers, energies, jnp.stack([e_mean, e2_mean - e_mean**2, walkers.acceptance])
 
-    return step
+    return kernels, optimiser, step
 
 
 # --8<-- [end:step]
@@ -253,8 +206,8 @@ def run(
         steps: optimisation steps (each: ``sweeps`` Metropolis moves, a measurement,
             an SR update).
         seed: seeds every random number: move ``m`` of step ``t`` gives walker ``i``
-            the key ``fold_in(fold_in(fold_in(key(seed), t + 1), m), i)``, whatever the
-            device count (the last ``fold_in`` is ``WalkerKey``'s).
+            the key ``fold_in(fold_in(fold_in(key(seed), t + 1), i), m)``, whatever the
+            device count (``fold_in(., i)`` is ``WalkerKey``'s).
         batch_size: walkers processed at a time per device (``None``: all at once).
         mesh: the devices to run on (default: every device).
         eval_steps: steps with fixed parameters whose local energies give the final
@@ -285,19 +238,20 @@ def run(
 
     with jax.enable_x64(x64), sv.use_mesh(mesh):
         # A WalkerSet: `walkers` real walkers, padded to the device count; every kernel reads the count.
-        walker_set = sv.initialize_walkers_sharded(init_walker, walkers, key=jax.random.fold_in(root, 0))
+        positions = sv.initialize_walkers_sharded(init_walker, walkers, key=jax.random.fold_in(root, 0))
         params = sv.replicate(Params(alpha=jnp.asarray(1.6875), beta=jnp.asarray(1.0)))
         sv.distributed.check_consistent(params)  # every process starts from the same parameters
-        walker_set = make_kernels(batch_size, mesh).refresh(params, walker_set)
-        step = make_step(mesh, batch_size, sweeps, step_size, learning_rate, max_norm)
+        kernels, optimiser, step = make_step(mesh, batch_size, sweeps, learning_rate, max_norm)
+        walker_set = kernels.sampler.init(params, positions, width=step_size)
+        opt = jax.jit(optimiser.init)(params)
 
         # Every walker's local energy in the evaluation steps, accumulated on its device.
-        energies = sv.StatsAccumulator.create(sv.WalkerSet(walker_set.data.log_psi, walker_set.n_valid))
+        energies = sv.StatsAccumulator.create(sv.WalkerSet(walker_set.walkers.data.log_psi, positions.n_valid))
         history = []
         for t in range(total):
             optimising = t < steps
-            params, walker_set, energies, stats = step(params, walker_set, jax.random.fold_in(root, t + 1),
-                                                       jnp.asarray(optimising), energies)  # fmt: skip
+            params, opt, walker_set, energies, stats = step(params, opt, walker_set, jax.random.fold_in(root, t + 1),
+                                                            jnp.asarray(optimising), energies)  # fmt: skip
             history.append(stats)
             if print_every and (t == 0 or (t + 1) % print_every == 0 or t + 1 == total):
                 energy, variance, acceptance = (float(v) for v in stats)
@@ -331,6 +285,7 @@ def run(
         "seconds": time.perf_counter() - start,
         "energies": history[:, 0].tolist(),
         "exact": EXACT,
+        "hf": HARTREE_FOCK,
     }
 
 
@@ -381,9 +336,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         else:
             print(f"E = {s['energy']:.5f} +- {s['error']:.5f} Ha (exact {EXACT}), autocorrelation {s['tau_corr']:.1f} "
                   f"steps, R_hat {s['R_hat']:.3f}")  # fmt: skip
-    plumbing.write_json(args.json, summary)
-    if args.plot and lead:
-        plumbing.plot(args.plot, summary["energies"], exact=EXACT, hf=HARTREE_FOCK, title="He", phases=args.steps)
+    plumbing.finish(args, summary, title="He", phases=args.steps)
     return summary
 
 

@@ -1,29 +1,20 @@
 """A FermiNet-style neural-network wavefunction for atoms and small molecules, trained on every device.
 
-Variational Monte Carlo with the natural gradient (minSR, SPRING, dense SR, CG) or
-kfac-jax's KFAC. Every per-walker piece is written for ONE walker and made
-walker-parallel with ``sv.walker_parallel``: the Metropolis moves, the local energy
-(``folx.forward_laplacian``) with the walker's row of ``J = d log|psi| / d params``,
-FermiNet's energy clipping, the evaluation. The optimisers are optax chains
-(``shardvmc.optax``) or ``shardvmc.kfac.Optimizer`` with FermiNet's own loss. The whole
-training state (walkers, parameters, optimiser state) is checkpointed by
-``sv.Checkpointer``; a preemption notice saves it and exits with code 75.
-
-The network and the Hamiltonian are in ``examples/models`` (copy that folder and
-``plumbing.py`` with this file). Figures and the commands that measured them are in
-``docs/neural.md``.
+Variational Monte Carlo with the natural gradient (minSR, SPRING, dense SR or CG: an optax
+chain of ``shardvmc.optax``; ``kfac_vmc.py`` trains the same network with KFAC), the
+Metropolis moves of ``sv.mcmc``, and per-walker kernels written for ONE walker: the local
+energy (``sv.hamiltonian``) with the walker's row of ``J = d log|psi| / d params``, and
+FermiNet's energy clipping. A preemption notice saves the training state and exits with 75.
+Copy it with ``network.py`` and ``plumbing.py``; figures and their commands: ``docs/neural.md``.
 
     python examples/neural_vmc.py --system Li                      # minSR; 8 fake CPU devices
-    python examples/neural_vmc.py --system Li --optimiser kfac
     python examples/neural_vmc.py --quick --devices 1              # a smoke test: seconds
-    python examples/neural_vmc.py --checkpoint run --checkpoint-every 50             # kill it, then:
-    python examples/neural_vmc.py --checkpoint run --checkpoint-every 50 --resume --devices 4
+    python examples/neural_vmc.py --checkpoint run --checkpoint-every 50 [--resume --devices 4]   # go on after a stop
     python -m shardvmc.launch --processes 2 --devices-per-process 2 -- python examples/neural_vmc.py --quick
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
 import sys
@@ -36,14 +27,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import plumbing
-from jax.flatten_util import ravel_pytree
-from models import hamiltonian, kfac_loss, systems
+from network import SYSTEMS, System, init, init_walker, log_psi
 
 import shardvmc as sv
 import shardvmc.optax as svx
 
-SYSTEMS = {name: systems.SYSTEMS[name] for name in ("Li", "LiH", "Be")}
-OPTIMISERS = ("minsr", "spring", "dense", "cg", "kfac")
+OPTIMISERS = ("minsr", "spring", "dense", "cg")
 CHEMICAL_ACCURACY = 1.6e-3  # Hartree (1 kcal/mol)
 
 
@@ -73,103 +62,43 @@ class Config:
     batch_size: int | None = None
     x64: bool = True
 
+    def schedule(self, t: jax.Array) -> jax.Array:
+        """FermiNet's inverse-time decay of the learning rate (optax has none), an optax schedule."""
+        return self.lr / (1.0 + t / self.lr_decay)
+
 
 QUICK = {"walkers": 64, "steps": 6, "eval_steps": 4, "hidden": 8, "hidden_two": 4, "layers": 1,
-         "determinants": 1, "sweeps": 2, "burn_in": 4}  # fmt: skip
-"""``--quick``: a few steps of a tiny network on few walkers (a smoke test, and the tests' runs)."""
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# The wavefunction and the per-walker kernels
-# ---------------------------------------------------------------------------------------------------------------------
-
-
-def log_psi(params: Any, r: jax.Array, system: systems.System) -> jax.Array:
-    """log|psi| of ONE walker ``r`` (n_electrons, 3): FermiNet's streams, K determinants, a cusp Jastrow."""
-    return kfac_loss.log_psi(params, r, system)
-
-
-def init_params(config: Config) -> Any:
-    """The network's parameters, from ``fold_in(key(seed), 10**6)``."""
-    sizes = {"hidden_one": config.hidden, "hidden_two": config.hidden_two, "layers": config.layers,
-             "determinants": config.determinants, "dtype": _dtype(config)}  # fmt: skip
-    init = jax.jit(lambda key: kfac_loss.init(key, SYSTEMS[config.system], jastrow=True, **sizes))  # one compilation
-    return init(jax.random.fold_in(jax.random.key(config.seed), 10**6))
-
-
-def _dtype(config: Config) -> Any:
-    return jnp.float64 if config.x64 else jnp.float32
+         "determinants": 1, "sweeps": 2, "burn_in": 4}  # fmt: skip  # --quick: a tiny network (a smoke test)
 
 
 # --8<-- [start:kernels]
-@sv.walker_parallel
-def metropolis(
-    params: sv.Replicated[Any],
-    walker: sv.PerWalker[dict],
-    key: sv.WalkerKey,
-    step_size: sv.Replicated[jax.Array],
-    system: sv.Static[systems.System],
-    sweeps: sv.Static[int],
-) -> tuple[sv.PerWalker[dict], sv.Mean[jax.Array]]:
-    """``sweeps`` all-electron Metropolis moves of ONE walker; the acceptance is averaged."""
-
-    def move(i: jax.Array, carry: tuple[dict, jax.Array]) -> tuple[dict, jax.Array]:
-        w, accepted = carry
-        k_move, k_accept = jax.random.split(jax.random.fold_in(key, i))
-        proposal = w["r"] + step_size * jax.random.normal(k_move, w["r"].shape, w["r"].dtype)
-        new_log_psi = log_psi(params, proposal, system)
-        log_ratio = 2.0 * (new_log_psi - w["log_psi"])
-        accept = jnp.log(jax.random.uniform(k_accept, dtype=w["r"].dtype)) < log_ratio
-        w = {
-            "r": jnp.where(accept, proposal, w["r"]),
-            "log_psi": jnp.where(accept, new_log_psi, w["log_psi"]),
-        }
-        return w, accepted + accept.astype(w["r"].dtype)
-
-    walker, accepted = jax.lax.fori_loop(0, sweeps, move, (walker, jnp.zeros((), walker["r"].dtype)))
-    return walker, accepted / sweeps
-
-
-@sv.walker_parallel
-def refresh(
-    params: sv.Replicated[Any],
-    walker: sv.PerWalker[dict],
-    system: sv.Static[systems.System],
-) -> dict:
-    """The walker with log|psi| recomputed for new parameters."""
-    return {"r": walker["r"], "log_psi": log_psi(params, walker["r"], system)}
+def local_energy(params: Any, r: jax.Array, system: System) -> jax.Array:
+    """The local energy of ONE walker ``r``: the kinetic energy by folx's forward Laplacian, the Coulomb potential."""
+    kinetic = sv.hamiltonian.kinetic_energy(functools.partial(log_psi, system=system), params, r)
+    return kinetic + sv.hamiltonian.coulomb(r, system.charges, system.coords)
 
 
 @sv.walker_parallel
 def measure(
-    params: sv.Replicated[Any], walker: sv.PerWalker[dict], system: sv.Static[systems.System]
-) -> tuple[sv.PerWalker[jax.Array], sv.PerWalker[jax.Array]]:
-    """The local energy (folx forward Laplacian) and the flat log-derivative row of ONE walker."""
-    local_energy = hamiltonian.make_local_energy(lambda p, r: log_psi(p, r, system), system, method="folx")
-    e = local_energy(params, walker["r"])
-    flat, unravel = ravel_pytree(params)
-    return e, jax.grad(lambda p: log_psi(unravel(p), walker["r"], system))(flat)
+    params: sv.Replicated[Any], r: sv.PerWalker[jax.Array], system: sv.Static[System]
+) -> tuple[sv.PerWalker[jax.Array], sv.PerWalker[Any]]:
+    """The local energy of ONE walker and its log-derivatives ``d log|psi| / d params`` (its row of ``J``)."""
+    return local_energy(params, r, system), jax.grad(log_psi)(params, r, system)
 
 
 @sv.walker_parallel
-def energy(
-    params: sv.Replicated[Any], walker: sv.PerWalker[dict], system: sv.Static[systems.System]
-) -> sv.PerWalker[jax.Array]:
-    """The local energy of ONE walker (the evaluation needs no gradient)."""
-    local_energy = hamiltonian.make_local_energy(lambda p, r: log_psi(p, r, system), system, method="folx")
-    return local_energy(params, walker["r"])
+def measure_energy(params: sv.Replicated[Any], r: sv.PerWalker[jax.Array], system: sv.Static[System]) -> jax.Array:
+    return local_energy(params, r, system)  # the evaluation's measurement: no gradient
 
 
 @sv.walker_parallel
 def clip(
     e: sv.PerWalker[jax.Array], width: sv.Static[float]
 ) -> tuple[sv.PerWalker[jax.Array], sv.Mean[jax.Array], sv.Mean[jax.Array]]:
-    """FermiNet's clipping: ``e`` clipped to mean +- ``width`` mean absolute deviations.
+    """FermiNet's clipping: ``e`` clipped to mean +- ``width`` mean absolute deviations; the means of ``e``, ``e**2``.
 
-    Returns the clipped energies and the means of ``e`` and ``e**2``.
-
-    The window is a statistic over all valid walkers (``sv.all_walkers``), held constant.
-    A kernel of its own: ``sv.all_walkers`` cannot see across the chunks of a ``batch_size`` kernel.
+    The window is over all valid walkers (``sv.all_walkers``, which cannot see across the
+    chunks of a ``batch_size`` kernel: hence a kernel of its own), held constant.
     """
     mean = jax.lax.stop_gradient(sv.all_walkers.mean(e))
     mad = jax.lax.stop_gradient(sv.all_walkers.mean(jnp.abs(e - mean)))
@@ -179,248 +108,134 @@ def clip(
 # --8<-- [end:kernels]
 
 
-def clip_reference(e: np.ndarray, width: float = 5.0) -> np.ndarray:
-    """NumPy reference of :func:`clip`.
-
-    Example:
-        >>> float(clip_reference(np.array([0.0] * 19 + [100.0])).max())  # mean 5 + 5 x 9.5
-        52.5
-    """
-    mean = e.mean()
-    mad = np.abs(e - mean).mean()
-    return np.clip(e, mean - width * mad, mean + width * mad)
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# The optimisers and the steps
-# ---------------------------------------------------------------------------------------------------------------------
-
-
 class State(NamedTuple):
-    """What changes from step to step besides the walkers (replicated)."""
+    """The training state: parameters, the optimiser's state, the sampler's (walkers and proposal width)."""
 
     params: Any
-    opt: Any  # the optax or kfac-jax state
-    step_size: jax.Array  # the Metropolis proposal width, adapted towards 50 % acceptance
+    opt: Any
+    sampler: sv.mcmc.SamplerState
 
 
-def make_optimiser(config: Config, mesh: Any) -> Any:
-    """An optax chain (natural gradient, Fisher-norm step constraint, learning-rate schedule), or KFAC.
+class Steps(NamedTuple):
+    """A training method: ``init(params, positions, key)``, ``train`` and ``evaluate(state, key) -> (state, stats)``."""
 
-    KFAC takes FermiNet's settings (``base_config.py``) except the step: the same schedule
-    and norm constraint as the natural gradient (FermiNet's lr 0.05 and norm 1e-3 are for
-    1e5 steps; in 700 they do not reach chemical accuracy here, see ``docs/neural.md``).
-    """
-
-    def schedule(t: jax.Array) -> jax.Array:  # FermiNet's inverse-time decay (optax has none): an optax schedule
-        return config.lr / (1.0 + t / config.lr_decay)
-
-    if config.optimiser == "kfac":
-        from shardvmc import kfac as svk  # loads kfac-jax and scipy: only when asked for (see kfac_loss.make_loss)
-
-        loss = kfac_loss.make_loss(SYSTEMS[config.system], clip=config.clip, method="folx", network=log_psi)
-        return svk.Optimizer(
-            jax.value_and_grad(loss, has_aux=True), l2_reg=0.0, mesh=mesh, pmap_axis_name=kfac_loss.AXIS,
-            value_func_has_aux=True, value_func_has_rng=True, learning_rate_schedule=schedule,
-            norm_constraint=config.max_norm, estimation_mode="fisher_exact", inverse_update_period=1,
-            curvature_ema=0.95, min_damping=1e-4, num_burnin_steps=0,
-        )  # fmt: skip
-    spring = config.optimiser == "spring"
-    return optax.chain(
-        svx.natural_gradient(damping=config.damping, method=config.optimiser, momentum=config.momentum * spring),
-        svx.clip_by_fisher_norm(config.max_norm, schedule),
-        optax.scale_by_learning_rate(schedule),
-    )
+    init: Callable[..., Any]
+    train: Callable[..., Any]
+    evaluate: Callable[..., Any]
 
 
-def _adapt(step_size: jax.Array, acceptance: jax.Array) -> jax.Array:
-    factor = jnp.where(acceptance > 0.55, 1.05, jnp.where(acceptance < 0.45, 1 / 1.05, 1.0))
-    return jnp.clip(step_size * factor, 0.02, 2.0)
+@functools.cache
+def make_sampler(config: Config, mesh: Any) -> sv.mcmc.Metropolis:
+    """``config.sweeps`` all-electron Gaussian moves per call, the width adapted towards 50 % acceptance."""
+    psi = functools.partial(log_psi, system=SYSTEMS[config.system])
+    return sv.mcmc.Metropolis(psi, n_steps=config.sweeps, mesh=mesh, batch_size=config.batch_size)
 
 
 # --8<-- [start:step]
 @functools.cache  # one compilation per setting and mesh (runs that differ only in their seed share it)
-def make_steps(config: Config, mesh: Any) -> tuple[Any, Callable[..., Any], Callable[..., Any]]:
-    """The optimiser, ``train(state, walkers, key)`` and ``evaluate(state, walkers, key)``.
-
-    Both steps return ``(state, walkers, stats)``, ``stats`` = [energy, variance,
-    acceptance]. ``train`` samples, measures, clips, and updates the parameters;
-    ``evaluate`` samples and measures.
-    """
-    system, optimiser = SYSTEMS[config.system], make_optimiser(config, mesh)
-    chunked = {"mesh": mesh, "batch_size": config.batch_size}
-    metropolis_, refresh_ = metropolis.with_options(**chunked), refresh.with_options(**chunked)
-    measure_, energy_ = measure.with_options(**chunked), energy.with_options(**chunked)
-    clip_ = clip.with_options(mesh=mesh)
+def make_steps(config: Config, mesh: Any) -> Steps:
+    """The natural gradient: an optax chain of the direction, the Fisher-norm step constraint, the learning rate."""
+    system, sampler = SYSTEMS[config.system], make_sampler(config, mesh)
+    optimiser = optax.chain(
+        svx.natural_gradient(damping=config.damping, method=config.optimiser,
+                             momentum=config.momentum * (config.optimiser == "spring")),
+        svx.clip_by_fisher_norm(config.max_norm, config.schedule),
+        optax.scale_by_learning_rate(config.schedule),
+    )  # fmt: skip
 
     @jax.jit
-    def sample(state: State, walkers: sv.WalkerSet, key: jax.Array) -> tuple[sv.WalkerSet, jax.Array]:
-        return metropolis_(state.params, walkers, key, state.step_size, system, config.sweeps)
+    def train(state: State, key: jax.Array) -> tuple[State, jax.Array]:
+        walkers = sampler.step(state.params, state.sampler, key)  # refreshes log|psi| for the new parameters first
+        e, j = measure.with_options(mesh=mesh, batch_size=config.batch_size)(state.params, walkers.positions, system)
+        e_clipped, e_mean, e2_mean = clip.with_options(mesh=mesh)(e, config.clip)
+        updates, opt = optimiser.update(state.params, state.opt, state.params, jacobian=j, local_energies=e_clipped)
+        state = State(optax.apply_updates(state.params, updates), opt, walkers)
+        return state, jnp.stack([e_mean, e2_mean - e_mean**2, walkers.acceptance])
 
-    @jax.jit
-    def train_natural_gradient(state: State, walkers: sv.WalkerSet, key: jax.Array) -> Any:
-        walkers, acceptance = sample(state, walkers, key)
-        e, j = measure_(state.params, walkers, system)
-        e_clipped, e_mean, e2_mean = clip_(e, config.clip)
-        updates, opt = optimiser.update(
-            state.params,
-            state.opt,
-            state.params,
-            jacobian=j,
-            local_energies=e_clipped,
-        )
-        params = optax.apply_updates(state.params, updates)
-        walkers = refresh_(params, walkers, system)
-        return (
-            State(params, opt, _adapt(state.step_size, acceptance)),
-            walkers,
-            jnp.stack([e_mean, e2_mean - e_mean**2, acceptance]),
-        )
-
-    def train_kfac(state: State, walkers: sv.WalkerSet, key: jax.Array) -> Any:
-        # FermiNet's loss computes, clips and differentiates the energy itself, on the walkers' positions.
-        walkers, acceptance = sample(state, walkers, key)
-        positions = sv.WalkerSet(walkers.data["r"], walkers.n_valid)
-        params, opt, stats = optimiser.step(
-            state.params,
-            state.opt,
-            jax.random.fold_in(key, 1),
-            batch=positions,
-            momentum=0.0,
-            damping=config.damping,
-        )
-        walkers = refresh_(params, walkers, system)
-        return (
-            State(params, opt, _adapt(state.step_size, acceptance)),
-            walkers,
-            jnp.stack([stats["loss"], stats["aux"]["variance"], acceptance]),
-        )
-
-    @jax.jit
-    def evaluate(state: State, walkers: sv.WalkerSet, key: jax.Array) -> Any:
-        walkers, acceptance = sample(state, walkers, key)
-        _, e_mean, e2_mean = clip_(energy_(state.params, walkers, system), config.clip)
-        stats = jnp.stack([e_mean, e2_mean - e_mean**2, acceptance])
-        return state._replace(step_size=_adapt(state.step_size, acceptance)), walkers, stats
-
-    return optimiser, (train_kfac if config.optimiser == "kfac" else train_natural_gradient), evaluate
+    return Steps(lambda params, positions, key: jax.jit(optimiser.init)(params), train, make_evaluate(config, mesh))
 
 
 # --8<-- [end:step]
 
 
-def initial_state(config: Config, mesh: Any, *, equilibrate: bool = True) -> tuple[State, sv.WalkerSet]:
-    """Parameters, optimiser state and walkers, equilibrated in the initial wavefunction (:func:`burn_in`)."""
-    system, dtype, root = SYSTEMS[config.system], _dtype(config), jax.random.key(config.seed)
-    optimiser, _, _ = make_steps(config, mesh)
-    params = sv.replicate(init_params(config), mesh)
+@functools.cache
+def make_evaluate(config: Config, mesh: Any) -> Callable[..., Any]:
+    """``evaluate(state, key)``: Metropolis moves and the local energies, the parameters fixed."""
+    system, sampler = SYSTEMS[config.system], make_sampler(config, mesh)
+    energy = measure_energy.with_options(mesh=mesh, batch_size=config.batch_size)
 
-    def init_walker(key: jax.Array) -> dict:
-        return {"r": systems.init_walkers(key, system, 1, dtype)[0], "log_psi": jnp.zeros((), dtype)}
+    @jax.jit
+    def evaluate(state: State, key: jax.Array) -> tuple[State, jax.Array]:
+        walkers = sampler.step(state.params, state.sampler, key)
+        e = energy(state.params, walkers.positions, system)
+        _, e_mean, e2_mean = clip.with_options(mesh=mesh)(e, config.clip)
+        return state._replace(sampler=walkers), jnp.stack([e_mean, e2_mean - e_mean**2, walkers.acceptance])
 
-    walkers = sv.initialize_walkers_sharded(init_walker, config.walkers, mesh, key=jax.random.fold_in(root, 0))
-    walkers = refresh.with_options(mesh=mesh, batch_size=config.batch_size)(params, walkers, system)
-    if config.optimiser == "kfac":
-        positions = sv.WalkerSet(walkers.data["r"], walkers.n_valid)
-        opt = optimiser.init(params, jax.random.fold_in(root, 10**6 + 1), positions)
-    else:
-        opt = jax.jit(optimiser.init)(params)
-    state = State(params, opt, sv.replicate(jnp.asarray(config.step_size, dtype), mesh))
-    return burn_in(config, mesh, state, walkers) if equilibrate else (state, walkers)
+    return evaluate
 
 
-def burn_in(config: Config, mesh: Any, state: State, walkers: sv.WalkerSet) -> tuple[State, sv.WalkerSet]:
-    """``config.burn_in`` Metropolis moves with the parameters fixed (and the step size adapting)."""
-    _, _, evaluate = make_steps(config, mesh)
-    root = jax.random.key(config.seed)
-    for i in range(-(-config.burn_in // config.sweeps)):  # the same compiled step as the evaluation's
-        state, walkers, _ = evaluate(state, walkers, jax.random.fold_in(root, 2**31 + i))
-    return state, walkers
+def initial_state(config: Config, mesh: Any, steps: Steps, *, equilibrate: bool = True) -> State:
+    """Parameters, optimiser state and walkers; ``equilibrate``: ``config.burn_in`` moves with fixed parameters."""
+    system, root = SYSTEMS[config.system], jax.random.key(config.seed)
+    dtype = jnp.float64 if config.x64 else jnp.float32
+    sizes = (config.hidden, config.hidden_two, config.layers, config.determinants, dtype)
+    params = sv.replicate(jax.jit(lambda key: init(key, system, *sizes))(jax.random.fold_in(root, 10**6)), mesh)
+    positions = sv.initialize_walkers_sharded(lambda key: init_walker(key, system, dtype), config.walkers, mesh,
+                                              key=jax.random.fold_in(root, 0))  # fmt: skip
+    walkers = make_sampler(config, mesh).init(params, positions, config.step_size)
+    state = State(params, steps.init(params, walkers.positions, jax.random.fold_in(root, 10**6 + 1)), walkers)
+    for i in range(-(-config.burn_in // config.sweeps) if equilibrate else 0):
+        state, _ = steps.evaluate(state, jax.random.fold_in(root, 2**31 + i))
+    return state
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# The run
-# ---------------------------------------------------------------------------------------------------------------------
+def run(config: Config, mesh: Any, *, make: Callable[[Config, Any], Steps] = make_steps,
+        checkpoint: str | None = None, checkpoint_every: int = 100, resume: bool = False,
+        stop_after: int | None = None, print_every: int | None = None,
+        printer: Callable[[str], Any] = print) -> dict[str, Any]:  # fmt: skip
+    """Optimise for ``config.steps`` steps (the method ``make`` builds), evaluate for ``config.eval_steps``; a summary.
 
-
-def run(
-    config: Config,
-    mesh: Any,
-    *,
-    checkpoint: str | None = None,
-    checkpoint_every: int = 100,
-    resume: bool = False,
-    stop_after: int | None = None,
-    print_every: int | None = None,
-    printer: Callable[[str], Any] = print,
-    bar: bool = False,
-) -> dict[str, Any]:
-    """Optimise for ``config.steps`` steps, then evaluate for ``config.eval_steps``; a summary dict.
-
-    With ``checkpoint`` (a directory), the state is saved every ``checkpoint_every`` steps
-    and at the end; ``resume`` continues from its latest step (on any mesh). A
-    preemption notice (SIGTERM) saves the state and returns with ``status="preempted"``;
-    ``stop_after`` stops after that step (``status="stopped"``).
+    ``checkpoint``: a directory to save in every ``checkpoint_every`` steps, at the end, and on a
+    preemption notice (``status="preempted"``); ``resume`` continues there (on any mesh).
     """
-    start_time = time.perf_counter()
+    start_time, root = time.perf_counter(), jax.random.key(config.seed)
     total = config.steps + config.eval_steps
     end = total if stop_after is None else min(total, stop_after)
-    root = jax.random.key(config.seed)
     saves = plumbing.Checkpoints(checkpoint, checkpoint_every, ("energy", "variance", "acceptance"))
     with jax.enable_x64(config.x64), sv.use_mesh(mesh):
-        _, train, evaluate = make_steps(config, mesh)
-        state, walkers = initial_state(config, mesh, equilibrate=False)  # a resume needs only its structure
-        history: list[list[float]] = []
-        restored = saves.restore({"state": state, "walkers": walkers}, mesh) if resume else None
-        if restored is not None:
-            saved, metadata, history = restored
-            differ = {k for k, v in metadata["config"].items() if k not in ("steps", "eval_steps", "batch_size")
-                      and getattr(config, k) != v}  # fmt: skip
-            if differ:
-                raise SystemExit(f"{checkpoint} was written with other settings: {sorted(differ)}")
-            state, walkers = saved["state"], saved["walkers"]
-            printer(f"resumed from {checkpoint} at step {metadata['step']}")
-        else:
-            state, walkers = burn_in(config, mesh, state, walkers)
+        steps = make(config, mesh)
+        restored = saves.restore(config, lambda: initial_state(config, mesh, steps, equilibrate=False), mesh, printer)
+        state, history = restored or (initial_state(config, mesh, steps), [])
         sv.distributed.check_consistent(state.params)  # every process holds the same parameters
-
-        first = len(history)
-        progress = plumbing.Progress(total, first, config.walkers, printer, max(total // 20, 1) if print_every is None
-                                     else print_every, bar)  # fmt: skip
+        first, every = len(history), max(total // 20, 1) if print_every is None else print_every
+        progress = plumbing.Progress(total, first, config.walkers, printer, every)
         status, compile_seconds = "finished" if end == total else "stopped", None
-        metadata = {"config": dataclasses.asdict(config)}
         for t in range(first, end):
             t0 = time.perf_counter()
-            step = train if t < config.steps else evaluate
-            state, walkers, stats = step(state, walkers, jax.random.fold_in(root, t + 1))
-            history.append([float(v) for v in plumbing.to_host(stats)])
+            step = steps.train if t < config.steps else steps.evaluate
+            state, stats = step(state, jax.random.fold_in(root, t + 1))
+            history.append([float(v) for v in stats.addressable_shards[0].data])  # this process's copy
             compile_seconds = time.perf_counter() - t0 if compile_seconds is None else compile_seconds
             progress.update(t, "opt " if t < config.steps else "eval", *history[-1])
             if not np.isfinite(history[-1][0]):
                 raise FloatingPointError(f"the energy is {history[-1][0]} at step {t + 1}")
-            saves.record(history)
-            if saves.after_step(t + 1, lambda: {"state": state, "walkers": walkers}, metadata, last=t + 1 == end):
+            if saves.after_step(t + 1, history, state, config, last=t + 1 == end):
                 status = "preempted"
                 break
-        progress.close()
         saves.close()
-        n_params = int(ravel_pytree(state.params)[0].size)
+    n_params = sum(x.size for x in jax.tree.leaves(state.params))
     return summarise(config, history, status, mesh, n_params, time.perf_counter() - start_time, compile_seconds)
 
 
-def summarise(
-    config: Config, history: list[list[float]], status: str, mesh: Any, n_params: int, seconds: float,
-    compile_seconds: float | None,
-) -> dict[str, Any]:  # fmt: skip
+def summarise(config: Config, history: list[list[float]], status: str, mesh: Any, n_params: int, seconds: float,
+              compile_seconds: float | None) -> dict[str, Any]:  # fmt: skip
     """The run's summary: the evaluation's energy with its error bar (``sv.statistics``) when there is one."""
-    system = SYSTEMS[config.system]
-    h = np.asarray(history, dtype=np.float64).reshape(-1, 3)
-    evaluation = h[config.steps :, 0]
+    system, h = SYSTEMS[config.system], np.asarray(history, dtype=np.float64).reshape(-1, 3)
     energy = error = fraction = None
-    if status == "finished" and evaluation.size:
+    if status == "finished" and config.eval_steps:
         # The per-step means over all walkers: one chain, whose error bar accounts for its autocorrelation.
         with jax.enable_x64(True):  # the float64 history, whatever the run computed in
-            stats = sv.statistics(evaluation[None], mesh=sv.create_mesh(jax.local_devices()[:1]))
+            stats = sv.statistics(h[config.steps :, 0][None], mesh=sv.create_mesh(jax.local_devices()[:1]))
         energy, error = float(stats.mean), float(stats.error_of_mean)
         if system.hf_energy is not None:
             fraction = (system.hf_energy - energy) / (system.hf_energy - system.exact_energy)
@@ -430,25 +245,21 @@ def summarise(
     return {
         "system": config.system, "optimiser": config.optimiser, "status": status, "steps_done": len(h),
         "energy": energy, "error": error, "exact": system.exact_energy, "hf": system.hf_energy,
-        "correlation_fraction": fraction,
-        "best_average_50": float(average.min()) if average.size else None,
+        "correlation_fraction": fraction, "best_average_50": float(average.min()) if average.size else None,
         "chemical_accuracy_step": int(reached[0]) + 50 if reached.size else None,
         "devices": int(mesh.devices.size), "platform": str(mesh.devices.flat[0].platform),
-        "processes": int(jax.process_count()), "walkers": config.walkers, "n_params": n_params,
+        "processes": jax.process_count(), "walkers": config.walkers, "n_params": n_params,
         "seconds": seconds, "compile_seconds": compile_seconds, "config": dataclasses.asdict(config),
         "energies": h[:, 0].tolist(), "variances": h[:, 1].tolist(), "acceptances": h[:, 2].tolist(),
     }  # fmt: skip
 
 
-def report(summary: dict[str, Any], quick: bool) -> list[str]:
+def report(s: dict[str, Any], quick: bool) -> list[str]:
     """What the run says at its end: an energy only for a finished run; no correlation percentage for a smoke test."""
-    s = summary
-    lines = [
-        f"{s['system']}, {s['optimiser']}: {s['walkers']} walkers on {s['devices']} {s['platform']} devices, "
-        f"{s['n_params']} parameters, {s['steps_done']} steps in {s['seconds']:.1f} s"
-    ]
-    total = s["config"]["steps"] + s["config"]["eval_steps"]
+    lines = [f"{s['system']}, {s['optimiser']}: {s['walkers']} walkers on {s['devices']} {s['platform']} devices, "
+             f"{s['n_params']} parameters, {s['steps_done']} steps in {s['seconds']:.1f} s"]  # fmt: skip
     if s["status"] != "finished":
+        total = s["config"]["steps"] + s["config"]["eval_steps"]
         lines.append(f"{s['status']} after step {s['steps_done']} of {total}: continue it with --resume")
     elif s["energy"] is not None:
         lines.append(f"E = {s['energy']:.5f} +- {s['error']:.5f} Ha (exact {s['exact']})")
@@ -457,62 +268,25 @@ def report(summary: dict[str, Any], quick: bool) -> list[str]:
         elif s["correlation_fraction"] is not None:
             lines.append(f"correlation energy recovered: {100 * s['correlation_fraction']:.1f} %")
     if not quick and s["best_average_50"] is not None:
-        target = s["exact"] + CHEMICAL_ACCURACY
-        when = s["chemical_accuracy_step"]
-        lines.append(
-            f"50-step average: best {s['best_average_50']:.5f} Ha; "
-            + (f"reached {target:.4f} at step {when}" if when else f"did not reach {target:.4f}")
-        )
+        target, when = s["exact"] + CHEMICAL_ACCURACY, s["chemical_accuracy_step"]
+        reached = f"reached {target:.4f} at step {when}" if when else f"did not reach {target:.4f}"
+        lines.append(f"50-step average: best {s['best_average_50']:.5f} Ha; {reached}")
     return lines
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# Command line
-# ---------------------------------------------------------------------------------------------------------------------
-
-
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """The command line."""
-    d = Config()
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--system", choices=sorted(SYSTEMS), default=d.system)
-    p.add_argument("--optimiser", choices=OPTIMISERS, default=d.optimiser, help=f"(default {d.optimiser})")
-    for name in ("walkers", "steps", "eval_steps", "hidden", "layers", "determinants", "sweeps", "batch_size"):
-        p.add_argument(f"--{name.replace('_', '-')}", type=int, default=None, help=f"(default {getattr(d, name)})")
-    for name in ("lr", "lr_decay", "max_norm", "damping"):
-        p.add_argument(f"--{name.replace('_', '-')}", type=float, default=None, help=f"(default {getattr(d, name)})")
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--quick", action="store_true", help="a few steps of a tiny network (a smoke test)")
-    p.add_argument("--float32", action="store_true", help="compute in float32")
-    plumbing.add_arguments(p)
-    return p.parse_args(argv)
-
-
-def config_from_args(args: argparse.Namespace) -> Config:
-    """The :class:`Config` of a command line: the defaults, ``--quick``'s, then the options given."""
-    values: dict[str, Any] = dict(QUICK) if args.quick else {}
-    for field in dataclasses.fields(Config):
-        if getattr(args, field.name, None) is not None:
-            values[field.name] = getattr(args, field.name)
-    return Config(**values, x64=not args.float32)
-
-
-def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    """Run the example from the command line; returns the summary."""
-    args = parse_args(argv)
+def main(argv: Sequence[str] | None = None, make: Callable[[Any, Any], Steps] = make_steps,
+         config_class: type = Config, optimisers: Sequence[str] = OPTIMISERS) -> dict[str, Any]:  # fmt: skip
+    """Run the example from the command line (the training method ``make``, settings ``config_class``)."""
+    choices = {"system": sorted(SYSTEMS), "optimiser": optimisers}
+    args, config = plumbing.parse_args(argv, config_class, QUICK, __doc__, choices)
     mesh = plumbing.start(args.devices)
-    config = config_from_args(args)
-    lead = plumbing.is_lead()
-    printer = print if lead else (lambda *_: None)
-    summary = run(config, mesh, checkpoint=args.checkpoint, checkpoint_every=args.checkpoint_every,
-                  resume=args.resume, stop_after=args.stop_after, print_every=args.print_every, printer=printer,
-                  bar=lead and not args.no_bar)  # fmt: skip
+    printer = print if plumbing.is_lead() else (lambda *_: None)
+    summary = run(config, mesh, make=make, checkpoint=args.checkpoint, checkpoint_every=args.checkpoint_every,
+                  resume=args.resume, stop_after=args.stop_after, print_every=args.print_every,
+                  printer=printer)  # fmt: skip
     for line in report(summary, args.quick):
         printer(line)
-    plumbing.write_json(args.json, summary)
-    if args.plot and lead:
-        plumbing.plot(args.plot, summary["energies"], exact=summary["exact"], hf=summary["hf"],
-                      title=f"{config.system}, {config.optimiser}", phases=config.steps)  # fmt: skip
+    plumbing.finish(args, summary, title=f"{config.system}, {config.optimiser}", phases=config.steps)
     if summary["status"] == "preempted":
         sys.exit(sv.distributed.PREEMPTED_EXIT_CODE)  # the batch system requeues; --resume continues
     return summary

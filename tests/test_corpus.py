@@ -1,4 +1,4 @@
-"""Realistic per-walker programs (``examples/models``) through walker_parallel, against ``jax.vmap`` on one device.
+"""Realistic per-walker programs (``tests/models``) through walker_parallel, against ``jax.vmap`` on one device.
 
 First the programs themselves, on one device: every Laplacian method (folx dense and sparse,
 jvp-of-grad in a Python loop, a ``scan`` and a ``fori_loop``) equals ``trace(jax.hessian)``,

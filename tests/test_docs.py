@@ -420,7 +420,7 @@ def test_site_builds_strict(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     page = (tmp_path / "site" / "getting-started" / "index.html").read_text()
-    assert "metropolis_step" in page and "make_step" in page  # the example's snippets were included
+    assert "make_kernels" in page and "make_step" in page  # the example's snippets were included
     assert not code_width.check_site(tmp_path / "site"), "code lines wider than the page: see docs/code_width.py"
 
 

@@ -87,11 +87,13 @@ def test_a_step_communicates_only_reduced_statistics(helium):
     # only collectives are all-reduces of a few numbers (acceptance; means, J^T J, J^T v).
     mesh = sv.create_mesh(jax.devices()[:8])
     with jax.enable_x64(True), sv.use_mesh(mesh):
-        walkers = sv.initialize_walkers_sharded(helium.init_walker, SMALL["walkers"], key=jax.random.key(0))
+        positions = sv.initialize_walkers_sharded(helium.init_walker, SMALL["walkers"], key=jax.random.key(0))
         params = sv.replicate(helium.Params(alpha=jax.numpy.asarray(1.7), beta=jax.numpy.asarray(0.3)))
-        step = helium.make_step(mesh, None, 10, 0.5, 0.2, 1e-3)
-        energies = sv.StatsAccumulator.create(sv.WalkerSet(walkers.data.log_psi, walkers.n_valid))
-        hlo = step.lower(params, walkers, jax.random.key(1), jax.numpy.asarray(True), energies).compile().as_text()
+        kernels, optimiser, step = helium.make_step(mesh, None, 10, 0.2, 1e-3)
+        walkers = kernels.sampler.init(params, positions, width=0.5)
+        energies = sv.StatsAccumulator.create(sv.WalkerSet(walkers.walkers.data.log_psi, positions.n_valid))
+        args = (params, optimiser.init(params), walkers, jax.random.key(1), jax.numpy.asarray(True), energies)
+        hlo = step.lower(*args).compile().as_text()
     for collective in ("all-gather", "all-to-all", "collective-permute", "reduce-scatter"):
         assert collective not in hlo
     reduced = re.findall(r"= (\(.*?\)|\S+) all-reduce(?:-start)?\(", hlo)

@@ -3,7 +3,7 @@
 The reference is ``kfac_jax.Optimizer(multi_device=True)`` under its own ``jax.pmap`` on
 the first n devices, built as FermiNet's ``train.py`` builds it, fed FermiNet's way
 (per-device blocks of walkers, replicated parameters, one key per device). The loss is
-FermiNet's ``make_loss`` pattern (``examples/models/kfac_loss.py``): ``custom_jvp``,
+FermiNet's ``make_loss`` pattern (``tests/models/kfac_loss.py``): ``custom_jvp``,
 ``pmean`` over ``"qmc_pmap_axis"``, clipping, a key split per walker. On 1 and 8 devices
 FermiNet's settings (``inverse_update_period=1``) make kfac-jax average the curvature
 estimate every step, as shardvmc.kfac always does; on 3 devices ``inverse_update_period=2``

@@ -88,7 +88,7 @@ def test_the_chain_is_the_neural_examples_step_under_jit(data):
         previous = None
         for t in range(2):
             params, state = step(params, state, j, e)
-            # the example's step (examples/neural_vmc.py, make_steps.train)
+            # the same step written by hand
             update, _ = sv.natural_gradient(j, e, damping=damping, method="spring", momentum=0.5, previous=previous)
             ju = j.data[:N_VALID] @ update
             u_s_u = jnp.mean(ju**2) - jnp.mean(ju) ** 2

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 
@@ -35,15 +37,18 @@ def init_head(key: jax.Array, system: System, hidden: int, determinants: int, dt
     return params
 
 
-def orbital_matrices(params: dict, h: jax.Array, r_ae: jax.Array, determinants: int) -> jax.Array:
+def orbital_matrices(
+    params: dict, h: jax.Array, r_ae: jax.Array, determinants: int, absolute: Callable = positive
+) -> jax.Array:
     """``(K, n_s, n_s)`` orbital matrices of one spin from features ``h (n_s, H)`` and ``r_ae (n_s, M)``.
 
     Each orbital is a linear function of the features times an exponential envelope
-    ``sum_m pi_m exp(-|sigma_m| |r - R_m|)``.
+    ``sum_m pi_m exp(-|sigma_m| |r - R_m|)``; ``absolute`` is the ``custom_vjp`` :func:`positive`
+    by default, ``jnp.abs`` where forward-mode derivatives in the parameters are needed (kfac-jax).
     """
     n_s = h.shape[0]
     phi = h @ params["w"] + params["b"]  # (n_s, K * n_s)
-    env = jnp.sum(params["pi"][None] * jnp.exp(-positive(params["sigma"])[None] * r_ae[:, :, None]), axis=1)
+    env = jnp.sum(params["pi"][None] * jnp.exp(-absolute(params["sigma"])[None] * r_ae[:, :, None]), axis=1)
     return jnp.transpose((phi * env).reshape(n_s, determinants, n_s), (1, 0, 2))
 
 
@@ -54,7 +59,9 @@ def log_sum_dets(signs: jax.Array, logdets: jax.Array, weights: jax.Array) -> tu
     return jnp.sign(total), jnp.log(jnp.abs(total)) + shift
 
 
-def determinant_head(params: dict, h: jax.Array, r_ae: jax.Array, system: System) -> tuple[jax.Array, jax.Array]:
+def determinant_head(
+    params: dict, h: jax.Array, r_ae: jax.Array, system: System, absolute: Callable = positive
+) -> tuple[jax.Array, jax.Array]:
     """``(sign, log|psi|)`` of K spin-up times spin-down determinants of features ``h (n, H)``."""
     determinants = params["det_weights"].shape[0]
     signs = jnp.ones((determinants,), h.dtype)
@@ -62,6 +69,6 @@ def determinant_head(params: dict, h: jax.Array, r_ae: jax.Array, system: System
     for spin, rows in (("up", slice(0, system.n_up)), ("down", slice(system.n_up, system.n_electrons))):
         if spin not in params:
             continue
-        s, ld = jnp.linalg.slogdet(orbital_matrices(params[spin], h[rows], r_ae[rows], determinants))
+        s, ld = jnp.linalg.slogdet(orbital_matrices(params[spin], h[rows], r_ae[rows], determinants, absolute))
         signs, logdets = signs * s, logdets + ld
     return log_sum_dets(signs, logdets, params["det_weights"])

@@ -16,7 +16,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from .constructs import babylonian_sqrt
+from .constructs import babylonian_sqrt, positive
 from .orbitals import dense, determinant_head, init_head
 from .systems import System
 
@@ -108,13 +108,22 @@ def features(params: dict, r: jax.Array, system: System) -> tuple[jax.Array, jax
     return one, r_ae, r_ee
 
 
-def signed_log_psi(params: dict, r: jax.Array, system: System) -> tuple[jax.Array, jax.Array]:
-    """``(sign psi, log|psi|)`` of one walker ``r`` of shape ``(n_electrons, 3)``."""
+def signed_log_psi(
+    params: dict, r: jax.Array, system: System, *, forward_mode: bool = False
+) -> tuple[jax.Array, jax.Array]:
+    """``(sign psi, log|psi|)`` of one walker ``r`` of shape ``(n_electrons, 3)``.
+
+    ``forward_mode``: ``jnp.abs`` and ``jnp.sqrt`` in place of the ``custom_vjp`` constructs,
+    so that ``jax.jvp`` in the parameters works (kfac-jax takes jvps). Without a
+    ``"jastrow"`` entry in ``params`` the network has no Jastrow factor.
+    """
     h, r_ae, r_ee = features(params, r, system)
-    sign, log_abs = determinant_head(params["head"], h, r_ae, system)
-    return sign, log_abs + jastrow(params["jastrow"], r_ee, system)
+    sign, log_abs = determinant_head(params["head"], h, r_ae, system, jnp.abs if forward_mode else positive)
+    if "jastrow" in params:
+        log_abs = log_abs + jastrow(params["jastrow"], r_ee, system, jnp.sqrt if forward_mode else babylonian_sqrt)
+    return sign, log_abs
 
 
-def log_psi(params: dict, r: jax.Array, system: System) -> jax.Array:
-    """``log|psi|`` of one walker ``r`` of shape ``(n_electrons, 3)``."""
-    return signed_log_psi(params, r, system)[1]
+def log_psi(params: dict, r: jax.Array, system: System, *, forward_mode: bool = False) -> jax.Array:
+    """``log|psi|`` of one walker ``r`` of shape ``(n_electrons, 3)`` (``forward_mode``: see :func:`signed_log_psi`)."""
+    return signed_log_psi(params, r, system, forward_mode=forward_mode)[1]

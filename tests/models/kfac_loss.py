@@ -8,12 +8,9 @@ predictive distribution for kfac-jax's curvature. The local energy has an option
 random term drawn from the loss's key, split per walker as FermiNet splits it, so a test
 sees how the key reaches each device.
 
-The network reuses the corpus FermiNet's equivariant streams (``ferminet.features``);
-its head differs from ``orbitals.determinant_head`` only where forward-mode
-differentiation with respect to the parameters needs it (kfac-jax takes jvps): the
-envelope exponent is ``abs(sigma)``, not the corpus's ``custom_vjp`` ``positive``, and
-the optional Jastrow (``init(..., jastrow=True)``) takes its range ``sqrt(beta^2 + 1)`` in
-closed form, not from the corpus's ``custom_vjp`` fixed point.
+The network is the corpus FermiNet (:mod:`models.ferminet`) in its forward-mode form
+(``jnp.abs`` and ``jnp.sqrt`` in place of its ``custom_vjp`` constructs: kfac-jax takes
+jvps in the parameters), without the Jastrow factor unless asked for.
 """
 
 from __future__ import annotations
@@ -25,7 +22,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from . import ferminet, hamiltonian, orbitals
+from . import ferminet, hamiltonian
 from .systems import System
 
 AXIS = "qmc_pmap_axis"
@@ -40,28 +37,10 @@ def init(key: jax.Array, system: System, *, jastrow: bool = False, **sizes: Any)
 
 
 def log_psi(params: dict, r: jax.Array, system: System) -> jax.Array:
-    """``log|psi|`` of one walker: K determinants of orbitals times ``exp(-|sigma| r_ae)`` envelopes (and a Jastrow)."""
-    h, r_ae, r_ee = ferminet.features(params, r, system)
-    head = params["head"]
-    k = head["det_weights"].shape[0]
-    signs = jnp.ones((k,), r.dtype)
-    logdets = jnp.zeros((k,), r.dtype)
-    for spin, rows in (("up", slice(0, system.n_up)), ("down", slice(system.n_up, system.n_electrons))):
-        if spin not in head:
-            continue
-        q, hs, rs = head[spin], h[rows], r_ae[rows]
-        n_s = hs.shape[0]
-        env = jnp.sum(q["pi"][None] * jnp.exp(-jnp.abs(q["sigma"])[None] * rs[:, :, None]), axis=1)
-        phi = ((hs @ q["w"] + q["b"]) * env).reshape(n_s, k, n_s).transpose(1, 0, 2)
-        s, ld = jnp.linalg.slogdet(phi)
-        signs, logdets = signs * s, logdets + ld
-    out = orbitals.log_sum_dets(signs, logdets, head["det_weights"])[1]
-    if "jastrow" in params:
-        out = out + ferminet.jastrow(params["jastrow"], r_ee, system, sqrt=jnp.sqrt)
-    return out
+    """``log|psi|`` of one walker: the corpus FermiNet in its forward-mode form."""
+    return ferminet.log_psi(params, r, system, forward_mode=True)
 
 
-# --8<-- [start:loss]
 def make_loss(
     system: System,
     *,
@@ -115,6 +94,3 @@ def make_loss(
         return (loss, aux), (jnp.dot(psi_tangent, diff) / e_l.shape[0], aux)
 
     return total_energy
-
-
-# --8<-- [end:loss]

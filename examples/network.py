@@ -1,0 +1,119 @@
+"""The wavefunction of the neural examples: a FermiNet-style network (Pfau et al. 2020), and the atoms it learns.
+
+The atoms are data (no chemistry package). Every operation has forward-mode derivatives
+in the parameters (kfac-jax takes jvps).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class System:
+    """Nuclei (bohr), their charges, the electron spins, and reference energies (hartree); hashable (``Static``)."""
+
+    name: str
+    coords: tuple[tuple[float, float, float], ...]
+    charges: tuple[float, ...]
+    n_up: int
+    n_down: int
+    exact_energy: float
+    hf_energy: float | None = None
+
+
+LI = System("Li", ((0.0, 0.0, 0.0),), (3.0,), 2, 1, exact_energy=-7.47806, hf_energy=-7.43273)
+LIH = System("LiH", ((0.0, 0.0, 0.0), (0.0, 0.0, 3.015)), (3.0, 1.0), 2, 2, exact_energy=-8.07050)
+BE = System("Be", ((0.0, 0.0, 0.0),), (4.0,), 2, 2, exact_energy=-14.66736, hf_energy=-14.57302)
+SYSTEMS = {s.name: s for s in (LI, LIH, BE)}
+
+
+def init_walker(key: jax.Array, system: System, dtype: jnp.dtype) -> jax.Array:
+    """One walker: electrons given to the nuclei in turn (heaviest first), displaced by a unit Gaussian."""
+    order = sorted(range(len(system.charges)), key=lambda m: -system.charges[m])
+    owner = [order[i % len(order)] for i in range(system.n_up + system.n_down)]
+    noise = jax.random.normal(key, (len(owner), 3), dtype)
+    return jnp.asarray(system.coords, dtype)[jnp.asarray(owner)] + noise
+
+
+def _dense(key: jax.Array, n_in: int, n_out: int, dtype: jnp.dtype) -> dict:
+    kw, kb = jax.random.split(key)
+    scale = 1.0 / jnp.sqrt(jnp.asarray(n_in, dtype))
+    return {"w": scale * jax.random.normal(kw, (n_in, n_out), dtype), "b": 0.1 * jax.random.normal(kb, (n_out,), dtype)}
+
+
+def init(key: jax.Array, system: System, hidden_one: int, hidden_two: int, layers: int, determinants: int,
+         dtype: jnp.dtype) -> dict:  # fmt: skip
+    """The parameters: ``layers`` mixing layers of widths ``hidden_one``/``hidden_two``, K = ``determinants``."""
+    keys = jax.random.split(key, 2 * layers + 2)
+    n_atoms = len(system.charges)
+    d_one, d_two = 4 * n_atoms, 4
+    params: dict = {"layers": []}
+    for i in range(layers):
+        layer = {"one": _dense(keys[2 * i], 3 * d_one + 2 * d_two, hidden_one, dtype)}
+        if i < layers - 1:  # the last layer's two-electron stream would be unused
+            layer["two"] = _dense(keys[2 * i + 1], d_two, hidden_two, dtype)
+        params["layers"].append(layer)
+        d_one, d_two = hidden_one, hidden_two
+    head: dict = {"det_weights": jnp.ones((determinants,), dtype)}
+    for k, (spin, n_spin) in enumerate((("up", system.n_up), ("down", system.n_down))):
+        if n_spin:
+            k1, k2, k3 = jax.random.split(jax.random.fold_in(keys[-2], k), 3)
+            width = determinants * n_spin
+            envelope = lambda k: 1.0 + 0.1 * jax.random.normal(k, (n_atoms, width), dtype)  # noqa: E731
+            head[spin] = {**_dense(k1, d_one, width, dtype), "sigma": envelope(k2), "pi": envelope(k3)}
+    return {"layers": params["layers"], "head": head, "jastrow": {"beta": jnp.asarray(0.5, dtype)}}
+
+
+def log_psi(params: dict, r: jax.Array, system: System) -> jax.Array:
+    """log|psi| of ONE walker ``r`` (n_electrons, 3).
+
+    The one-electron stream (electron-nucleus vectors and distances) and the two-electron
+    stream (electron-electron ones) go through layers that mix each electron's features with
+    their means over same-spin and opposite-spin electrons (permutation equivariant); the
+    head sums K signed determinants of orbitals with exponential envelopes; a Jastrow factor
+    gives the electron-electron cusp.
+    """
+    n, n_up = r.shape[0], system.n_up
+    coords = jnp.asarray(system.coords, r.dtype)
+    ae = r[:, None, :] - coords[None]
+    r_ae = jnp.linalg.norm(ae, axis=-1)
+    ee = r[None, :, :] - r[:, None, :]
+    # The diagonal is masked with eye(n) so that the norm's derivative is finite there.
+    r_ee = jnp.linalg.norm(ee + jnp.eye(n)[..., None], axis=-1) * (1.0 - jnp.eye(n))
+    one = jnp.concatenate([ae.reshape(n, -1), r_ae], axis=-1)
+    two = jnp.concatenate([ee, r_ee[..., None]], axis=-1)
+
+    up = jnp.arange(n) < n_up
+    same = (up[:, None] == up[None, :]).astype(r.dtype)
+    same, opposite = same / same.sum(-1, keepdims=True), (1 - same) / jnp.maximum((1 - same).sum(-1, keepdims=True), 1)
+    for layer in params["layers"]:
+        mixed = [one, same @ one, opposite @ one, jnp.einsum("ij,ijk->ik", same, two),
+                 jnp.einsum("ij,ijk->ik", opposite, two)]  # fmt: skip
+        new_one = jnp.tanh(jnp.concatenate(mixed, axis=-1) @ layer["one"]["w"] + layer["one"]["b"])
+        one = new_one + one if new_one.shape == one.shape else new_one  # residual where the widths agree
+        if "two" in layer:
+            new_two = jnp.tanh(two @ layer["two"]["w"] + layer["two"]["b"])
+            two = new_two + two if new_two.shape == two.shape else new_two
+
+    # The head: orbitals times envelopes sum_m pi_m exp(-|sigma_m| r_im), one determinant per spin and k.
+    head = params["head"]
+    k = head["det_weights"].shape[0]
+    signs, logdets = jnp.ones((k,), r.dtype), jnp.zeros((k,), r.dtype)
+    for spin, rows in (("up", slice(0, n_up)), ("down", slice(n_up, n))):
+        if spin in head:
+            q, h, d = head[spin], one[rows], r_ae[rows]
+            env = jnp.sum(q["pi"][None] * jnp.exp(-jnp.abs(q["sigma"])[None] * d[:, :, None]), axis=1)
+            orbitals = ((h @ q["w"] + q["b"]) * env).reshape(h.shape[0], k, h.shape[0]).transpose(1, 0, 2)
+            s, ld = jnp.linalg.slogdet(orbitals)
+            signs, logdets = signs * s, logdets + ld
+    shift = jax.lax.stop_gradient(jnp.max(logdets))  # log|sum_k w_k sign_k det_k|, without overflow
+    log_dets = jnp.log(jnp.abs(jnp.sum(head["det_weights"] * signs * jnp.exp(logdets - shift)))) + shift
+
+    # Jastrow: sum_{i<j} a_ij r_ij / (1 + b r_ij), the cusp a = 1/4 (same spin) or 1/2 (opposite), b = sqrt(beta^2 + 1).
+    cusp = jnp.where(up[:, None] == up[None, :], 0.25, 0.5)
+    b = jnp.sqrt(params["jastrow"]["beta"] ** 2 + 1.0)
+    return log_dets + jnp.sum(jnp.triu(cusp * r_ee / (1.0 + b * r_ee), k=1))
