@@ -115,7 +115,7 @@ class Kernels(NamedTuple):
 
 
 def make_kernels(batch_size: int | None = None, mesh: Mesh | None = None, sweeps: int = 10) -> Kernels:
-    """The Metropolis sampler (``sweeps`` moves per call, a fixed width) and the measurement, with the run's options.
+    """The Metropolis sampler (``sweeps`` moves per call, a fixed width) and the measurement.
 
     ``batch_size`` bounds the memory of each device; ``mesh=None`` runs on the
     ``sv.use_mesh`` mesh, else on all devices.
@@ -137,7 +137,7 @@ def make_kernels(batch_size: int | None = None, mesh: Mesh | None = None, sweeps
 def make_step(
     mesh: Mesh, batch_size: int | None, sweeps: int, learning_rate: float, max_norm: float
 ) -> tuple[Kernels, optax.GradientTransformationExtraArgs, Callable[..., Any]]:
-    """The kernels, the optimiser, and one jitted VMC step: ``sweeps`` Metropolis moves, a measurement, an SR update.
+    """The kernels, the optimiser, and one jitted VMC step: Metropolis moves, a measurement, an SR update.
 
     ``step(params, opt, walkers, key, update, energies) -> (params, opt, walkers, energies,
     [energy, variance, acceptance])``: with ``update`` the parameters change, else they stay
@@ -163,12 +163,13 @@ def make_step(
 
     @jax.jit
     def step(params: Params, opt: Any, walkers: Any, key: jax.Array, update: jax.Array, energies: Any) -> Any:
-        walkers = kernels.sampler.step(params, walkers, key)  # recomputes log|psi| first: params may have changed
+        walkers = kernels.sampler.step(params, walkers, key)  # recomputes log|psi| for the new params
         e, j, e_mean, e2_mean = kernels.measure(params, walkers.positions)
         updates, new_opt = optimiser.update(params, opt, params, jacobian=j, local_energies=e)
         new_params = optax.apply_updates(params, updates)
-        new_params = new_params.replace(beta=jnp.maximum(new_params.beta, 0.05))  # keep the Jastrow free of poles
-        params, opt = jax.tree.map(lambda new, old: jnp.where(update, new, old), (new_params, new_opt), (params, opt))
+        new_params = new_params.replace(beta=jnp.maximum(new_params.beta, 0.05))  # no poles in the Jastrow
+        keep = lambda new, old: jnp.where(update, new, old)  # noqa: E731
+        params, opt = jax.tree.map(keep, (new_params, new_opt), (params, opt))
         energies = jax.lax.cond(update, lambda acc: acc, lambda acc: acc.update(e), energies)
         return params, opt, walkers, energies, jnp.stack([e_mean, e2_mean - e_mean**2, walkers.acceptance])
 

@@ -36,8 +36,8 @@ class Config(vmc.Config):
 
 # --8<-- [start:loss]
 def make_loss(system: System, clip: float) -> Callable[..., Any]:
-    """FermiNet's ``total_energy(params, key, walkers) -> (loss, aux)`` for kfac-jax, on one device's walkers."""
-    import kfac_jax  # loads scipy (and its OpenBLAS): only after plumbing.start has set the threads per device
+    """FermiNet's ``total_energy(params, key, walkers) -> (loss, aux)`` on one device's walkers."""
+    import kfac_jax  # loads scipy and its OpenBLAS: only after plumbing.start set the threads per device
 
     batch_local_energy = jax.vmap(functools.partial(vmc.local_energy, system=system), in_axes=(None, 0))
     batch_network = jax.vmap(functools.partial(log_psi, system=system), in_axes=(None, 0))

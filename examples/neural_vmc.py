@@ -1,11 +1,10 @@
 """A FermiNet-style neural-network wavefunction for atoms and small molecules, trained on every device.
 
-Variational Monte Carlo with the natural gradient (minSR, SPRING, dense SR or CG: an optax
-chain of ``shardvmc.optax``; ``kfac_vmc.py`` trains the same network with KFAC), the
-Metropolis moves of ``sv.mcmc``, and per-walker kernels written for ONE walker: the local
-energy (``sv.hamiltonian``) with the walker's row of ``J = d log|psi| / d params``, and
-FermiNet's energy clipping. A preemption notice saves the training state and exits with 75.
-Copy it with ``network.py`` and ``plumbing.py``; figures and their commands: ``docs/neural.md``.
+Variational Monte Carlo with the natural gradient (minSR, SPRING, dense SR or CG: an optax chain of
+``shardvmc.optax``; ``kfac_vmc.py`` trains the same network with KFAC), the Metropolis moves of ``sv.mcmc``,
+and kernels written for ONE walker: the local energy (``sv.hamiltonian``) with the walker's row of
+``J = d log|psi| / d params``, and FermiNet's energy clipping. A preemption notice saves the training state
+and exits with 75. Copy it with ``network.py`` and ``plumbing.py``; figures and commands: ``docs/neural.md``.
 
     python examples/neural_vmc.py --system Li                      # minSR; 8 fake CPU devices
     python examples/neural_vmc.py --quick --devices 1              # a smoke test: seconds
@@ -73,7 +72,7 @@ QUICK = {"walkers": 64, "steps": 6, "eval_steps": 4, "hidden": 8, "hidden_two": 
 
 # --8<-- [start:kernels]
 def local_energy(params: Any, r: jax.Array, system: System) -> jax.Array:
-    """The local energy of ONE walker ``r``: the kinetic energy by folx's forward Laplacian, the Coulomb potential."""
+    """The local energy of ONE walker ``r``: the kinetic energy (folx's Laplacian) and the Coulomb potential."""
     kinetic = sv.hamiltonian.kinetic_energy(functools.partial(log_psi, system=system), params, r)
     return kinetic + sv.hamiltonian.coulomb(r, system.charges, system.coords)
 
@@ -87,7 +86,7 @@ def measure(
 
 
 @sv.walker_parallel
-def measure_energy(params: sv.Replicated[Any], r: sv.PerWalker[jax.Array], system: sv.Static[System]) -> jax.Array:
+def measure_energy(params: sv.Replicated[Any], r: sv.PerWalker[jax.Array], system: sv.Static[System]):
     return local_energy(params, r, system)  # the evaluation's measurement: no gradient
 
 
@@ -95,7 +94,7 @@ def measure_energy(params: sv.Replicated[Any], r: sv.PerWalker[jax.Array], syste
 def clip(
     e: sv.PerWalker[jax.Array], width: sv.Static[float]
 ) -> tuple[sv.PerWalker[jax.Array], sv.Mean[jax.Array], sv.Mean[jax.Array]]:
-    """FermiNet's clipping: ``e`` clipped to mean +- ``width`` mean absolute deviations; the means of ``e``, ``e**2``.
+    """FermiNet's clipping: ``e`` clipped to mean +- ``width`` mean absolute deviations; means of ``e``, ``e**2``.
 
     The window is over all valid walkers (``sv.all_walkers``, which cannot see across the
     chunks of a ``batch_size`` kernel: hence a kernel of its own), held constant.
@@ -134,7 +133,7 @@ def make_sampler(config: Config, mesh: Any) -> sv.mcmc.Metropolis:
 # --8<-- [start:step]
 @functools.cache  # one compilation per setting and mesh (runs that differ only in their seed share it)
 def make_steps(config: Config, mesh: Any) -> Steps:
-    """The natural gradient: an optax chain of the direction, the Fisher-norm step constraint, the learning rate."""
+    """The natural gradient: an optax chain of the direction, the Fisher-norm constraint, the learning rate."""
     system, sampler = SYSTEMS[config.system], make_sampler(config, mesh)
     optimiser = optax.chain(
         svx.natural_gradient(damping=config.damping, method=config.optimiser,
@@ -145,14 +144,16 @@ def make_steps(config: Config, mesh: Any) -> Steps:
 
     @jax.jit
     def train(state: State, key: jax.Array) -> tuple[State, jax.Array]:
-        walkers = sampler.step(state.params, state.sampler, key)  # refreshes log|psi| for the new parameters first
-        e, j = measure.with_options(mesh=mesh, batch_size=config.batch_size)(state.params, walkers.positions, system)
+        walkers = sampler.step(state.params, state.sampler, key)  # refreshes log|psi| for the new params
+        measure_ = measure.with_options(mesh=mesh, batch_size=config.batch_size)
+        e, j = measure_(state.params, walkers.positions, system)
         e_clipped, e_mean, e2_mean = clip.with_options(mesh=mesh)(e, config.clip)
-        updates, opt = optimiser.update(state.params, state.opt, state.params, jacobian=j, local_energies=e_clipped)
+        p = state.params
+        updates, opt = optimiser.update(p, state.opt, p, jacobian=j, local_energies=e_clipped)
         state = State(optax.apply_updates(state.params, updates), opt, walkers)
         return state, jnp.stack([e_mean, e2_mean - e_mean**2, walkers.acceptance])
 
-    return Steps(lambda params, positions, key: jax.jit(optimiser.init)(params), train, make_evaluate(config, mesh))
+    return Steps(lambda p, positions, key: jax.jit(optimiser.init)(p), train, make_evaluate(config, mesh))
 
 
 # --8<-- [end:step]

@@ -649,7 +649,11 @@ def walker_parallel(
         not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1
     ):
         raise DecorationError(
-            f"walker_parallel: batch_size must be a positive int, 'auto' or None, got {batch_size!r}."
+            message(
+                "walker_parallel",
+                f"batch_size must be a positive int, 'auto' or None, got {batch_size!r}.",
+                fix="pass e.g. batch_size=64 (walkers per chunk on each device), 'auto', or None (all at once).",
+            )
         )
     if memory_budget is not None and batch_size != "auto":
         raise DecorationError(

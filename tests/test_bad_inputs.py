@@ -170,8 +170,7 @@ class Bad:
 
 CATALOGUE = [
     # ------------------------------------------------ decoration time
-    Bad("parameter without a marker (at the first call)", lambda: sv.walker_parallel(no_marker)({}, jnp.ones((8, 3))),
-        sv.CallError,
+    Bad("parameter without a marker", lambda: sv.walker_parallel(no_marker)({}, jnp.ones((8, 3))), sv.CallError,
         ("no_marker", "'params'", "no shardvmc marker", "PerWalker[jax.Array]", "replicated_args")),
     Bad("Mean marker on a parameter", lambda: sv.walker_parallel(mean_parameter), sv.DecorationError,
         ("mean_parameter", "parameter 'r'", "marked Mean", "Mean and Sum are for returns")),
@@ -194,7 +193,7 @@ CATALOGUE = [
         ("conflicting", "parameter 'params'", "replicated_args", "drop one of the two")),
     Bad("decorating something that is not a function", lambda: sv.walker_parallel(3), sv.DecorationError,
         ("walker_parallel", "int", "decorate a function")),
-    Bad("batch_size that is not a positive int", lambda: sv.walker_parallel(batch_size=0), ValueError,
+    Bad("batch_size that is not a positive int", lambda: sv.walker_parallel(batch_size=0), sv.DecorationError,
         ("walker_parallel", "batch_size", "positive int")),
     Bad("batched=True with batch_size", lambda: sv.walker_parallel(batched=True, batch_size=4), sv.DecorationError,
         ("walker_parallel", "batched=True with batch_size=4", "drop batch_size")),
@@ -242,7 +241,7 @@ CATALOGUE = [
         ("energy", "'r'", "zero walkers", "at least one walker")),
     Bad("no PerWalker leaf at all (empty pytree)", lambda: energy(ONE, {}), sv.CallError,
         ("energy", "no PerWalker argument", "mark at least one parameter PerWalker")),
-    Bad("walkers committed to other devices than the kernel's mesh=",
+    Bad("walkers committed to other devices than the kernel's mesh",
         lambda: sv.walker_parallel(energy.__wrapped__, mesh=sv.create_mesh())(ONE, other_mesh_walkers()), sv.CallError,
         ("energy", "PerWalker parameter 'r'", "other devices", "devices [0, 1, 2]", "sv.shard_walker(x, mesh)")),
     # ------------------------------------------------ call time: keys, statics, n_valid, meshes
