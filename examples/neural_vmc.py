@@ -72,7 +72,7 @@ QUICK = {"walkers": 64, "steps": 6, "eval_steps": 4, "hidden": 8, "hidden_two": 
 
 # --8<-- [start:kernels]
 def local_energy(params: Any, r: jax.Array, system: System) -> jax.Array:
-    """The local energy of ONE walker ``r``: the kinetic energy (folx's Laplacian) and the Coulomb potential."""
+    """The local energy of ONE walker ``r``: kinetic energy (folx's Laplacian) plus Coulomb potential."""
     kinetic = sv.hamiltonian.kinetic_energy(functools.partial(log_psi, system=system), params, r)
     return kinetic + sv.hamiltonian.coulomb(r, system.charges, system.coords)
 
@@ -94,7 +94,7 @@ def measure_energy(params: sv.Replicated[Any], r: sv.PerWalker[jax.Array], syste
 def clip(
     e: sv.PerWalker[jax.Array], width: sv.Static[float]
 ) -> tuple[sv.PerWalker[jax.Array], sv.Mean[jax.Array], sv.Mean[jax.Array]]:
-    """FermiNet's clipping: ``e`` clipped to mean +- ``width`` mean absolute deviations; means of ``e``, ``e**2``.
+    """FermiNet's clipping: ``e`` clipped to mean +- ``width`` mean absolute deviations; ``<e>``, ``<e**2>``.
 
     The window is over all valid walkers (``sv.all_walkers``, which cannot see across the
     chunks of a ``batch_size`` kernel: hence a kernel of its own), held constant.
@@ -133,7 +133,7 @@ def make_sampler(config: Config, mesh: Any) -> sv.mcmc.Metropolis:
 # --8<-- [start:step]
 @functools.cache  # one compilation per setting and mesh (runs that differ only in their seed share it)
 def make_steps(config: Config, mesh: Any) -> Steps:
-    """The natural gradient: an optax chain of the direction, the Fisher-norm constraint, the learning rate."""
+    """The natural gradient: an optax chain of the direction, the Fisher-norm bound, the learning rate."""
     system, sampler = SYSTEMS[config.system], make_sampler(config, mesh)
     optimiser = optax.chain(
         svx.natural_gradient(damping=config.damping, method=config.optimiser,
