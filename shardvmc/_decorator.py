@@ -31,6 +31,7 @@ from ._kernel import (
 from ._markers import Kind, Layout, missing_markers_error, parse
 from ._mesh import call_mesh, entered_mesh, mesh_of_arrays, onto_mesh
 from ._plan import KernelSpec, Plan, PlanKey, auto_signature, make_plan, pinned_out_shardings, raise_if_disagree
+from ._stats import BODY_VAR
 from ._walkerset import WalkerSet, check_n_valid, first_count, split_walker_set
 
 if TYPE_CHECKING:
@@ -308,9 +309,9 @@ class WalkerParallel:
         # The one call path: everything below is a few lookups, then one jax.jit of the kernel per mesh, whose
         # C++ dispatch checks a repeated signature. The plan (checks, padding, chunking, the program) is made
         # while that jit traces (_traced), so it runs once per signature, eager or inside any transform.
-        mode = inside_kernel()
-        if mode is not None:
-            return self._nested_call(mode, args, kwargs)
+        body = BODY_VAR.get()
+        if body is not None:
+            return self._nested_call(body.mode, args, kwargs)
         if kwargs or len(args) != self._n_params:
             args = self._arguments(args, kwargs)
         mesh, axis, enter = call_mesh(self._mesh, self._options.axis_name, self._qualname)

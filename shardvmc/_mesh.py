@@ -111,6 +111,7 @@ def resolve_mesh(mesh: Mesh | None, axis_name: str | tuple[str, ...] = "walkers"
     return mesh
 
 
+_get_concrete_mesh = _compat.get_concrete_mesh  # bound once: this module's lookup is on every kernel call
 _CallMesh = tuple[Mesh, "str | tuple[str, ...]", "Mesh | None"]
 _OWN_MESHES: dict[tuple[Mesh, Any], _CallMesh] = {}  # a kernel's checked mesh, with no context mesh set
 
@@ -137,7 +138,7 @@ def call_mesh(mesh: Mesh | None, axis_name: str | tuple[str, ...], where: str) -
     Called on every kernel call: the common cases are dictionary lookups.
     """
     chosen = mesh if mesh is not None else _CURRENT_MESH.get()
-    context = _compat.get_concrete_mesh()
+    context = _get_concrete_mesh()
     if context is None or context.empty:
         if chosen is None:
             return _default_mesh(axis_name), axis_name, None

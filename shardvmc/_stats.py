@@ -22,6 +22,7 @@ import numpy as np
 from ._errors import CallError, message
 
 __all__ = [
+    "BODY_VAR",
     "Body",
     "all_walkers",
     "body_context",
@@ -59,6 +60,10 @@ class Body:
 
 
 _BODY: contextvars.ContextVar[Body | None] = contextvars.ContextVar("shardvmc_body", default=None)
+
+
+BODY_VAR = _BODY
+"""The context variable of the body being traced (read directly on the kernels' per-call path)."""
 
 
 def current_body() -> Body | None:
