@@ -26,6 +26,7 @@ from ._decorator import replicated_args as replicated_args
 from ._decorator import walker_parallel as walker_parallel
 from ._errors import ArgumentsError as ArgumentsError
 from ._errors import CallError as CallError
+from ._errors import CheckpointNotFoundError as CheckpointNotFoundError
 from ._errors import DecorationError as DecorationError
 from ._errors import ShardvmcError as ShardvmcError
 from ._errors import UnhashableStaticError as UnhashableStaticError
@@ -75,6 +76,7 @@ __all__ = [
     "ArgumentsError",
     "CallError",
     "Checkpoint",
+    "CheckpointNotFoundError",
     "Checkpointer",
     "CommunicationWarning",
     "DecorationError",

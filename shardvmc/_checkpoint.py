@@ -29,7 +29,7 @@ from jax.core import Tracer
 from jax.sharding import Mesh, NamedSharding
 
 from . import _compat, _npz
-from ._errors import CallError, message
+from ._errors import CallError, CheckpointNotFoundError, message
 from ._mesh import get_replicated_sharding, get_walker_sharding, resolve_mesh
 from ._placement import pad_n_walkers
 from ._walkerset import WalkerSet, check_n_valid, split_walker_set, walker_count
@@ -556,7 +556,7 @@ def _load(
 ) -> tuple[Any, dict[str, Any]]:
     """The latest step of a directory of steps, or the step directory ``path``."""
     if not path.exists():
-        raise FileNotFoundError(f"{where}: {str(path)!r} does not exist.")
+        raise CheckpointNotFoundError(f"{where}: {str(path)!r} does not exist.")
     directory, step = path.absolute(), None
     if (directory / _HEADER).is_dir() and directory.name.isdigit():
         directory, step = directory.parent, int(directory.name)
@@ -650,7 +650,7 @@ def load_walkers(
         A :class:`Checkpoint` ``(walkers, n_valid, metadata)``.
 
     Raises:
-        FileNotFoundError: when ``path`` does not exist.
+        CheckpointNotFoundError: when ``path`` does not exist (a ``FileNotFoundError``).
         CallError: as :func:`load_state`.
         ImportError: when orbax-checkpoint is not installed (0.2.0 files need no orbax).
 
@@ -746,7 +746,7 @@ def load_state(
         ``(state, metadata)``, the metadata given at save time (``{}`` if none).
 
     Raises:
-        FileNotFoundError: when ``path`` does not exist.
+        CheckpointNotFoundError: when ``path`` does not exist (a ``FileNotFoundError``).
         CallError: for a damaged checkpoint (naming it), a structure, dtype or shape
             other than ``like``'s (naming the leaf), a ``WalkerSet`` ``like`` of another
             count, or a bad ``n_walkers``.
@@ -834,10 +834,10 @@ class Checkpointer:
         self.wait()
         steps = sorted(self._manager.all_steps())
         if step is None and not steps:
-            raise FileNotFoundError(f"{where}: {str(self.directory)!r} holds no checkpoint yet.")
+            raise CheckpointNotFoundError(f"{where}: {str(self.directory)!r} holds no checkpoint yet.")
         step = _check_step(where, steps[-1] if step is None else step)
         if step not in steps:
-            raise FileNotFoundError(f"{where}: {str(self.directory)!r} holds no step {step} (it holds {steps}).")
+            raise CheckpointNotFoundError(f"{where}: {str(self.directory)!r} holds no step {step} (it holds {steps}).")
         return _restore_step(where, self._manager, step, like, mesh, axis_name, n_walkers)
 
     def latest_step(self) -> int | None:

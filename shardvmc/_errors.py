@@ -10,6 +10,7 @@ import numpy as np
 __all__ = [
     "ArgumentsError",
     "CallError",
+    "CheckpointNotFoundError",
     "DecorationError",
     "ShardvmcError",
     "UnhashableStaticError",
@@ -37,6 +38,10 @@ class CallError(ShardvmcError, ValueError):
     keys that are not keys, meshes without the walker axis, and walker counts that a
     mesh cannot split evenly.
     """
+
+
+class CheckpointNotFoundError(ShardvmcError, FileNotFoundError):
+    """No checkpoint at the path, or not the step asked for (a ``FileNotFoundError``: catch it to start afresh)."""
 
 
 class ArgumentsError(CallError, TypeError):

@@ -43,6 +43,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import IO
 
+from ._errors import CallError, message
 from .distributed import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID
 from .testing import cpu_environment
 
@@ -248,11 +249,11 @@ def _launch(
 ) -> int:
     """:func:`launch`, stopping early when ``interrupt`` is set (by :func:`main`'s signal handler)."""
     if processes < 1:
-        raise ValueError(f"launch: processes must be at least 1, got {processes}.")
+        raise CallError(message("launch", f"processes must be at least 1, got {processes}.", fix="pass 1 or more."))
     if not command:
-        raise ValueError("launch: no command given; put it after `--`.")
+        raise CallError(message("launch", "no command given.", fix="put the command after `--`."))
     if not grace >= 0:
-        raise ValueError(f"launch: grace must be at least 0 seconds, got {grace}.")
+        raise CallError(message("launch", f"grace must be at least 0 seconds, got {grace}.", fix="pass 0 or more."))
     out = sys.stdout if stdout is None else stdout
     err = sys.stderr if stderr is None else stderr
     coordinator = f"127.0.0.1:{free_port()}"

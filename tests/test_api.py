@@ -26,7 +26,8 @@ PUBLIC = {
     # Monte Carlo statistics
     "statistics", "Stats", "StatsAccumulator",
     # errors and warnings
-    "ShardvmcError", "DecorationError", "CallError", "ArgumentsError", "UnhashableStaticError", "PaddingWarning",
+    "ShardvmcError", "DecorationError", "CallError", "ArgumentsError", "CheckpointNotFoundError",
+    "UnhashableStaticError", "PaddingWarning",
     "CommunicationWarning",
     # what kernel.explain returns
     "Explanation", "ExplanationEntry",
@@ -165,10 +166,7 @@ def test_clear_caches_empties_kernels_and_module_caches():
 PLAIN_RAISES_ALLOWED = {
     "testing.py",  # assertion helpers for users' tests raise AssertionError, as chex's do
     "_internals.py",  # re-raises of JAX's own errors
-    "launch.py",  # command-line errors of the launcher, which runs before (and without) JAX
     "_placement.py:52",  # caught at once by its caller, which raises the CallError
-    "_checkpoint.py",  # rewritten in the checkpoint unification (issue 26.1)
-    "_state.py",  # rewritten in the checkpoint unification (issue 26.1)
 }
 
 

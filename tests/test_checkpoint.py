@@ -1008,6 +1008,7 @@ def test_no_manager_or_thread_outlives_its_save(tmp_path: Path) -> None:
     The threads a first save starts for the whole process (asyncio's default executor, which orbax's
     writes use) are counted before: what must not grow is a manager and its thread per path.
     """
+
     def ended(before: set) -> bool:  # threads the saves started end (a pool thread may take a moment to exit)
         for thread in set(threading.enumerate()) - before:
             thread.join(timeout=60)
