@@ -18,7 +18,8 @@ def commands():
 
 def test_exactly_two_commands():
     run, test = commands()
-    assert "examples/helium_vmc.py" in run and "pip install -e ." in run
+    # the main job needs optax (its optimiser is an optax chain of shardvmc.optax)
+    assert "examples/helium_vmc.py" in run and 'pip install -e ".[optax]"' in run
     assert '".[test]"' in test and "pytest" in test
 
 
