@@ -22,6 +22,7 @@ from typing import Any
 import jax
 from jax.sharding import AbstractMesh, Mesh
 
+from ._caches import bounded
 from ._internals import get_concrete_mesh  # the cheap getter of the context mesh (see _internals)
 
 __all__ = [
@@ -82,20 +83,9 @@ def context_mesh() -> Mesh | None:
     return None if mesh is None or mesh.empty else mesh
 
 
-_AUTO_MESHES: dict[Mesh, Mesh] = {}
-
-
+@bounded(64)
 def auto_axes_mesh(mesh: Mesh) -> Mesh:
     """``mesh`` with every axis of Auto type (the same devices, names and shape)."""
-    try:
-        return _AUTO_MESHES[mesh]
-    except KeyError:
-        pass
     if all(t == jax.sharding.AxisType.Auto for t in mesh.axis_types):
-        auto = mesh
-    else:
-        auto = Mesh(mesh.devices, mesh.axis_names, axis_types=(jax.sharding.AxisType.Auto,) * len(mesh.axis_names))
-    if len(_AUTO_MESHES) > 64:  # meshes are few; a program that builds many keeps this bounded
-        _AUTO_MESHES.clear()
-    _AUTO_MESHES[mesh] = auto
-    return auto
+        return mesh
+    return Mesh(mesh.devices, mesh.axis_names, axis_types=(jax.sharding.AxisType.Auto,) * len(mesh.axis_names))
