@@ -23,7 +23,7 @@ from ._kernel import (
     Options,
     call_with,
     check_inputs,
-    concrete_argument_error,
+    argument_mesh_error,
     inside_kernel,
     partition,
     raised_in_body,
@@ -56,6 +56,7 @@ def _is_leaf_type(x: Any) -> bool:
 
 # Set on an exception that left the fast path's trace: the engine or the user's function raised it, already explained.
 _TRACED_ERROR = "_shardvmc_traced"
+_ELSEWHERE = "_shardvmc_elsewhere"  # arguments on a mesh of another size: eagerly, _recover may run them there
 
 
 def _n_valid_conflict(qualname: str, n_valid: Any, count: int) -> CallError:
@@ -323,7 +324,7 @@ class WalkerParallel:
                 out = jitted(*args) if n_valid is None else jitted(*args, n_valid=n_valid)
             else:
                 args = onto_mesh(enter, args)
-                with entered_mesh(enter, self._qualname):
+                with entered_mesh(enter):
                     out = jitted(*args) if n_valid is None else jitted(*args, n_valid=n_valid)
         except Exception as err:
             out = self._recover(err, jitted, args, n_valid, mesh, enter)
@@ -360,6 +361,10 @@ class WalkerParallel:
             if n_valid is not None:  # one type for every count (a caller's traced int is weakly typed)
                 n_valid = jnp.asarray(n_valid, jnp.int32)
             plan, dyn, n_valid, count = self._prepare(args, n_valid, mesh, axis, parts)
+            elsewhere = argument_mesh_error(self._qualname, self._spec.dyn_params, dyn, mesh)
+            if elsewhere is not None:
+                setattr(elsewhere, _ELSEWHERE, True)
+                raise elsewhere
             out, agree = plan.traced_call(dyn, n_valid)
         except Exception as err:
             setattr(err, _TRACED_ERROR, True)
@@ -381,7 +386,8 @@ class WalkerParallel:
         call runs with them split off, as ``equinox.filter_jit`` does), unhashable ``Static``
         values; lowering refuses arrays on other devices than the mesh. Nothing compiles twice.
         """
-        if getattr(err, _TRACED_ERROR, False) or isinstance(err, ShardvmcError):
+        elsewhere = getattr(err, _ELSEWHERE, False)
+        if (getattr(err, _TRACED_ERROR, False) or isinstance(err, ShardvmcError)) and not elsewhere:
             raise err
         split = self._partition(args) if isinstance(err, TypeError) else None
         unhashable = self._unhashable(args, split[1] if split else None)
@@ -389,17 +395,17 @@ class WalkerParallel:
             raise unhashable from None
         if split is not None:
             dyn_args, parts = split
-            with entered_mesh(enter, self._qualname):
+            with entered_mesh(enter):
                 return jitted(*dyn_args, parts=parts) if n_valid is None else jitted(*dyn_args, n_valid=n_valid,
                                                                                    parts=parts)  # fmt: skip
-        if isinstance(err, (TypeError, ValueError)):
-            error = concrete_argument_error(self._qualname, self._spec.dyn_params, self._spec.dyn_of(args), mesh)
+        if elsewhere or isinstance(err, (TypeError, ValueError)):
+            error = argument_mesh_error(self._qualname, self._spec.dyn_params, self._spec.dyn_of(args), mesh)
             if error is not None:
                 # Walkers that another kernel left on its mesh, with no mesh chosen for this one: it runs there.
                 home = mesh_of_arrays([args[i] for i in self._walker_args], self._options.axis_name)
                 if self._mesh is None and home is not None and home != mesh:
                     return self._call_on(home, args, n_valid)
-                raise error from err
+                raise error from (None if elsewhere else err)  # elsewhere: the same finding, seen while tracing
         err.add_note(f"shardvmc: raised while running walker-parallel kernel {self._qualname} on mesh "
                      f"{dict(mesh.shape)}")  # fmt: skip
         raise err
@@ -496,7 +502,7 @@ class WalkerParallel:
         kw: dict[str, Any] = {} if n_valid is None else {"n_valid": n_valid}
         if split is not None:
             args, kw["parts"] = split
-        with entered_mesh(enter, self._qualname):
+        with entered_mesh(enter):
             return jitted.lower(*args, **kw)
 
     def explain(self, *args: Any, n_valid: Any = None, **kwargs: Any) -> Explanation:
@@ -529,7 +535,7 @@ class WalkerParallel:
         args = self._arguments(args, kwargs)
         plan, dyn, n_valid = self._plan_for(*args, n_valid=n_valid)
         _, _, enter = call_mesh(self._mesh, self._options.axis_name, self._qualname)
-        with entered_mesh(enter, self._qualname):
+        with entered_mesh(enter):
             lowered = plan.lower(dyn, n_valid)
         return explain(plan, lowered, args, dyn, n_valid, warn_key=self)
 

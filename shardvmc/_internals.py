@@ -27,6 +27,7 @@ __all__ = [
     "get_concrete_mesh",
     "gloo_host",
     "pin_gloo_host",
+    "tracing",
     "vma_check_verdict",
 ]
 
@@ -47,6 +48,29 @@ except ImportError:  # pragma: no cover - another JAX layout: the public getter 
 
 get_concrete_mesh: Callable[[], Mesh | None] = _get_concrete_mesh
 """JAX's current mesh (``jax.set_mesh``): a ``Mesh``, or ``None`` or an empty mesh when none is set."""
+
+
+# ----------------------------------------------------------------------------- tracing or not
+#
+# What: ``jax._src.core.trace_state_clean``, whether code runs at the top level or inside a trace
+# (``jax.jit``, ``grad``, ``vmap``, ``lax.scan``...).
+# Why: a kernel whose own mesh spans other devices than the context mesh runs there when called
+# eagerly, and on the context mesh inside a trace (one traced program runs on one set of devices,
+# which its caller fixed). ``jax.set_mesh`` asks the same question to refuse tracing; JAX has no
+# public spelling in JAX 0.10.2 or 0.12, and a tracer among the arguments does not tell it (a
+# kernel may be traced with constant arguments only).
+# When it can go: when JAX offers a public spelling; then call that.
+
+try:
+    from jax._src.core import trace_state_clean as _trace_state_clean
+except ImportError:  # pragma: no cover - another JAX layout: assume a trace (the context mesh is used)
+    def _trace_state_clean() -> bool:
+        return False
+
+
+def tracing() -> bool:
+    """Whether the caller runs inside a JAX trace (``jax.jit``, a transformation, a control-flow body)."""
+    return not _trace_state_clean()
 
 
 # ----------------------------------------------------------------------------- the backend

@@ -39,7 +39,7 @@ __all__ = [
     "call_with",
     "check_inputs",
     "combine",
-    "concrete_argument_error",
+    "argument_mesh_error",
     "inside_kernel",
     "output_shardings",
     "partition",
@@ -197,22 +197,42 @@ def _check_outputs(qualname: str, out: Any) -> None:
             ) from None
 
 
-def concrete_argument_error(
+def argument_mesh_error(
     qualname: str, params: tuple[Param, ...], dyn: tuple[Any, ...], mesh: Mesh
 ) -> CallError | None:
     """The shardvmc error behind JAX refusing a kernel's arguments, or ``None``.
 
-    Runs only after the call failed outside the user's body, so the happy path pays
-    nothing. Looks at concrete arguments only (a tracer's placement is not known): a
-    leaf that is no JAX type (a string, an object array), or an array committed to
-    devices other than those of ``mesh``.
+    Concrete arguments: a leaf that is no JAX type (a string, an object array), or an
+    array committed to devices other than those of ``mesh`` (looked at only after a call
+    failed outside the user's body, so the happy path pays nothing). Traced arguments
+    (checked while the kernel traces): JAX types a committed array's tracer with the mesh
+    it lives on, without its devices; one of another size than ``mesh`` cannot meet it in
+    one program, whose devices are one set.
     """
     devices = set(mesh.devices.flat)
     for p, arg in zip(params, dyn):
         for path, leaf in jax.tree_util.tree_flatten_with_path(arg)[0]:
-            if isinstance(leaf, Tracer):
-                continue
             where = f"{p.kind.value} parameter {p.name!r}{jax.tree_util.keystr(path)}"
+            fix = (
+                "place it on the call's mesh (sv.shard_walker(x, mesh) for PerWalker, sv.replicate(x, mesh) "
+                "otherwise), or call under sv.use_mesh(mesh) with the mesh the arrays live on."
+            )
+            if isinstance(leaf, Tracer):
+                other = getattr(getattr(jax.typeof(leaf), "sharding", None), "mesh", None)
+                if other is None or other.empty or other.size == mesh.size:
+                    continue
+                return CallError(
+                    message(
+                        qualname,
+                        f"{where} lives on a mesh of {other.size} devices, inside a traced computation whose "
+                        f"kernel computes on a mesh of {mesh.size}; one traced program runs on one set of devices.",
+                        got=f"mesh {dict(other.shape)} ({other.size} devices)",
+                        expected=f"devices {sorted(d.id for d in devices)} (mesh {dict(mesh.shape)})",
+                        fix="place it on the kernel's mesh outside the traced function (sv.shard_walker(x, mesh) "
+                        "for PerWalker, sv.replicate(x, mesh) otherwise), or trace the function under "
+                        "jax.set_mesh(mesh) of the mesh the arrays live on.",
+                    )
+                )
             try:
                 jax.typeof(leaf)
             except TypeError as err:
@@ -231,8 +251,7 @@ def concrete_argument_error(
                         f"{where} lives on other devices than the mesh of the call.",
                         got=f"devices {sorted(d.id for d in leaf.sharding.device_set)}",
                         expected=f"devices {sorted(d.id for d in devices)} (mesh {dict(mesh.shape)})",
-                        fix="place it on the call's mesh (sv.shard_walker(x, mesh) for PerWalker, sv.replicate(x, "
-                        "mesh) otherwise), or call under sv.use_mesh(mesh) with the mesh the arrays live on.",
+                        fix=fix,
                     )
                 )
     return None

@@ -13,7 +13,7 @@ import numpy as np
 from jax.core import Tracer
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from . import _compat
+from . import _compat, _internals
 from ._errors import CallError, message
 
 __all__ = [
@@ -129,9 +129,10 @@ def call_mesh(mesh: Mesh | None, axis_name: str | tuple[str, ...], where: str) -
     - the context mesh when the kernel's own mesh (``mesh=``, ``sv.use_mesh``) spans the same
       devices in the same order: the walkers land on the same devices, split over all of the
       context mesh's axes;
-    - the kernel's own mesh otherwise, entered with ``jax.set_mesh`` around the call (JAX
-      allows that outside a trace only; inside one, one computation runs on one set of
-      devices: the kernel raises a ``CallError`` that says so);
+    - the kernel's own mesh otherwise, entered with ``jax.set_mesh`` around an eager call;
+      inside a trace (the caller's ``jax.jit``, ``grad``, ``scan``...), the context mesh, as
+      with no mesh of its own: one traced program runs on one set of devices, which its
+      caller fixed, and JAX refuses a ``shard_map`` or a sharding on others there;
     - with no context mesh, the kernel's mesh (or all devices), with Auto axes: an Explicit
       mesh's types would need a mesh context for the cotangents of an eager ``jax.grad``.
 
@@ -150,19 +151,20 @@ def call_mesh(mesh: Mesh | None, axis_name: str | tuple[str, ...], where: str) -
                 _OWN_MESHES.clear()
             found = _OWN_MESHES[chosen, axis_name] = (_compat.auto_axes_mesh(checked), axis_name, None)
             return found
-    names = (axis_name,) if isinstance(axis_name, str) else axis_name
-    if chosen is None:
-        if all(name in context.shape for name in names):
+    if chosen is not None:
+        chosen = resolve_mesh(chosen, axis_name, where=where)
+        if chosen == context:
             return context, axis_name, None
-        return context, tuple(context.axis_names), None
-    chosen = resolve_mesh(chosen, axis_name, where=where)
-    if chosen == context:
+        if _compat.axis_size(chosen, axis_name) == chosen.size and tuple(chosen.devices.flat) == tuple(
+            context.devices.flat
+        ):
+            return context, tuple(context.axis_names), None
+        if not _internals.tracing():
+            return chosen, axis_name, chosen
+    names = (axis_name,) if isinstance(axis_name, str) else axis_name
+    if all(name in context.shape for name in names):
         return context, axis_name, None
-    if _compat.axis_size(chosen, axis_name) == chosen.size and tuple(chosen.devices.flat) == tuple(
-        context.devices.flat
-    ):
-        return context, tuple(context.axis_names), None
-    return chosen, axis_name, chosen
+    return context, tuple(context.axis_names), None
 
 
 def mesh_of_arrays(tree: Any, axis_name: str | tuple[str, ...]) -> Mesh | None:
@@ -203,28 +205,15 @@ def onto_mesh(mesh: Mesh, args: tuple[Any, ...]) -> tuple[Any, ...]:
 
 
 @contextlib.contextmanager
-def entered_mesh(mesh: Mesh | None, qualname: str) -> Iterator[None]:
-    """``jax.set_mesh(mesh)`` around a call of a kernel whose own mesh is not the caller's (``None``: nothing)."""
+def entered_mesh(mesh: Mesh | None) -> Iterator[None]:
+    """``jax.set_mesh(mesh)`` around an eager call of a kernel whose own mesh is not the caller's (``None``: nothing).
+
+    Never inside a trace: ``call_mesh`` returns no mesh to enter there.
+    """
     if mesh is None:
         yield
         return
-    try:
-        context = jax.set_mesh(mesh)
-    except ValueError:
-        current = _compat.context_mesh()
-        raise CallError(
-            message(
-                qualname,
-                "the kernel's own mesh spans other devices than the mesh of the surrounding JAX transformation "
-                "(jax.set_mesh or jax.sharding.set_mesh), and one traced computation runs on one set of devices.",
-                got=f"kernel mesh {dict(mesh.shape)} on devices {[d.id for d in mesh.devices.flat]}, "
-                f"context mesh {dict(current.shape) if current is not None else {}} on devices "
-                f"{[d.id for d in current.devices.flat] if current is not None else []}",
-                fix="call the kernel outside jax.jit/grad/vmap there, give it mesh= of the context mesh's devices "
-                "(or no mesh=, to run on the context mesh), or trace the step inside jax.set_mesh(kernel mesh).",
-            )
-        ) from None
-    with context:
+    with jax.set_mesh(mesh):
         yield
 
 

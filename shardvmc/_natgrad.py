@@ -476,7 +476,7 @@ def natural_gradient(
     # collectives take as one axis name.
     axis_name = cast(str, axes)
     if enter is not None:
-        with entered_mesh(enter, _WHERE):
+        with entered_mesh(enter):
             J, e = onto_mesh(enter, (J, e))
             return natural_gradient(J, e, damping=damping, n_valid=n_valid, method=method, solver=solver,
                                     maxiter=maxiter, tol=tol, rcond=rcond, precondition=precondition,
