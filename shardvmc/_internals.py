@@ -64,6 +64,7 @@ get_concrete_mesh: Callable[[], Mesh | None] = _get_concrete_mesh
 try:
     from jax._src.core import trace_state_clean as _trace_state_clean
 except ImportError:  # pragma: no cover - another JAX layout: assume a trace (the context mesh is used)
+
     def _trace_state_clean() -> bool:
         return False
 

@@ -197,9 +197,7 @@ def _check_outputs(qualname: str, out: Any) -> None:
             ) from None
 
 
-def argument_mesh_error(
-    qualname: str, params: tuple[Param, ...], dyn: tuple[Any, ...], mesh: Mesh
-) -> CallError | None:
+def argument_mesh_error(qualname: str, params: tuple[Param, ...], dyn: tuple[Any, ...], mesh: Mesh) -> CallError | None:
     """The shardvmc error behind JAX refusing a kernel's arguments, or ``None``.
 
     Concrete arguments: a leaf that is no JAX type (a string, an object array), or an
