@@ -25,6 +25,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from . import _compat
 from ._errors import CallError, describe, message
 from ._markers import Kind, Layout, Param
+from ._mesh import traced_mesh_error
 from ._placement import pad_n_walkers, pad_walker
 from ._stats import Body, body_context, current_body, local_indices, masked, mean_of, psum_tree, row_sum
 from ._walkerset import common_count
@@ -211,26 +212,11 @@ def argument_mesh_error(qualname: str, params: tuple[Param, ...], dyn: tuple[Any
     for p, arg in zip(params, dyn):
         for path, leaf in jax.tree_util.tree_flatten_with_path(arg)[0]:
             where = f"{p.kind.value} parameter {p.name!r}{jax.tree_util.keystr(path)}"
-            fix = (
-                "place it on the call's mesh (sv.shard_walker(x, mesh) for PerWalker, sv.replicate(x, mesh) "
-                "otherwise), or call under sv.use_mesh(mesh) with the mesh the arrays live on."
-            )
             if isinstance(leaf, Tracer):
-                other = getattr(getattr(jax.typeof(leaf), "sharding", None), "mesh", None)
-                if other is None or other.empty or other.size == mesh.size:
-                    continue
-                return CallError(
-                    message(
-                        qualname,
-                        f"{where} lives on a mesh of {other.size} devices, inside a traced computation whose "
-                        f"kernel computes on a mesh of {mesh.size}; one traced program runs on one set of devices.",
-                        got=f"mesh {dict(other.shape)} ({other.size} devices)",
-                        expected=f"devices {sorted(d.id for d in devices)} (mesh {dict(mesh.shape)})",
-                        fix="place it on the kernel's mesh outside the traced function (sv.shard_walker(x, mesh) "
-                        "for PerWalker, sv.replicate(x, mesh) otherwise), or trace the function under "
-                        "jax.set_mesh(mesh) of the mesh the arrays live on.",
-                    )
-                )
+                traced = traced_mesh_error(qualname, where, leaf, mesh)
+                if traced is not None:
+                    return traced
+                continue
             try:
                 jax.typeof(leaf)
             except TypeError as err:
@@ -249,7 +235,8 @@ def argument_mesh_error(qualname: str, params: tuple[Param, ...], dyn: tuple[Any
                         f"{where} lives on other devices than the mesh of the call.",
                         got=f"devices {sorted(d.id for d in leaf.sharding.device_set)}",
                         expected=f"devices {sorted(d.id for d in devices)} (mesh {dict(mesh.shape)})",
-                        fix=fix,
+                        fix="place it on the call's mesh (sv.shard_walker(x, mesh) for PerWalker, sv.replicate(x, "
+                        "mesh) otherwise), or call under sv.use_mesh(mesh) with the mesh the arrays live on.",
                     )
                 )
     return None

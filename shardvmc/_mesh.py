@@ -24,6 +24,7 @@ __all__ = [
     "n_devices",
     "call_mesh",
     "entered_mesh",
+    "traced_mesh_error",
     "mesh_of_arrays",
     "onto_mesh",
     "resolve_mesh",
@@ -185,6 +186,33 @@ def mesh_of_arrays(tree: Any, axis_name: str | tuple[str, ...]) -> Mesh | None:
     names = (axis_name,) if isinstance(axis_name, str) else axis_name
     mesh = sharding.mesh
     return mesh if isinstance(mesh, Mesh) and all(n in mesh.shape for n in names) else None
+
+
+def traced_mesh_error(qualname: str, what: str, leaf: Any, mesh: Mesh) -> CallError | None:
+    """The ``CallError`` for a tracer whose type says its array lives on a mesh of another size than ``mesh``.
+
+    JAX types a committed array's tracer with its mesh (an ``AbstractMesh``: axis sizes, no
+    devices). Inside a trace, one program runs on one set of devices: an argument of another
+    mesh size cannot meet ``mesh`` there. ``None`` for concrete values and same-size meshes
+    (whose devices are not known).
+    """
+    if not isinstance(leaf, Tracer):
+        return None
+    other = getattr(getattr(jax.typeof(leaf), "sharding", None), "mesh", None)
+    if other is None or other.empty or other.size == mesh.size:
+        return None
+    return CallError(
+        message(
+            qualname,
+            f"{what} lives on a mesh of {other.size} devices, inside a traced computation that runs on a mesh of "
+            f"{mesh.size}; one traced program runs on one set of devices.",
+            got=f"mesh {dict(other.shape)} ({other.size} devices)",
+            expected=f"devices {[d.id for d in mesh.devices.flat]} (mesh {dict(mesh.shape)})",
+            fix="place it on that mesh outside the traced function (sv.shard_walker(x, mesh) for walker data, "
+            "sv.replicate(x, mesh) otherwise), or trace the function under jax.set_mesh(mesh) of the mesh the "
+            "arrays live on.",
+        )
+    )
 
 
 def onto_mesh(mesh: Mesh, args: tuple[Any, ...]) -> tuple[Any, ...]:

@@ -27,7 +27,7 @@ from . import _compat
 from ._caches import bounded
 from ._errors import CallError, describe, message
 from ._memory import compiled_memory, device_memory_budget, format_bytes
-from ._mesh import call_mesh, entered_mesh, mesh_of_arrays, onto_mesh
+from ._mesh import call_mesh, entered_mesh, mesh_of_arrays, onto_mesh, traced_mesh_error
 from ._placement import pad_n_walkers, pad_walker
 from ._reductions import jtj, jtv, walker_mean
 from ._stats import local_indices, masked, rmatvec
@@ -483,6 +483,11 @@ def natural_gradient(
                                     real_params=real_params,
                                     momentum=momentum, previous=previous, chunks=chunks, memory_budget=memory_budget,
                                     mesh=enter, axis_name=axis_name)  # fmt: skip
+    for what, tree in (("J", J), ("e", e)):
+        for leaf in jax.tree_util.tree_leaves(tree):
+            error = traced_mesh_error(_WHERE, what, leaf, mesh)
+            if error is not None:
+                raise error
     d = _compat.axis_size(mesh, axis_name)
     e, n_e = split_walker_set(e)
     n_valid = _agree_n_valid(n_valid, n_j, n_e)

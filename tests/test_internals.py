@@ -44,6 +44,24 @@ def test_get_concrete_mesh_is_jax_private_getter_and_reads_set_mesh():
         assert seen == [mesh]
 
 
+def test_tracing_is_jax_trace_state_and_sees_every_transform():
+    from jax._src.core import trace_state_clean
+
+    assert _internals._trace_state_clean is trace_state_clean  # not the fallback
+    assert not _internals.tracing()
+    seen = []
+
+    def probe(x):
+        seen.append(_internals.tracing())
+        return x
+
+    jax.jit(probe)(1.0)
+    jax.grad(probe)(1.0)
+    jax.vmap(probe)(jnp.ones(2))
+    jax.lax.scan(lambda c, x: (probe(c), None), 0.0, jnp.ones(2))
+    assert seen == [True] * 4
+
+
 # ---------------------------------------------------------------- the backend, before and after it starts
 
 
