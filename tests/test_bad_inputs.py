@@ -244,6 +244,10 @@ CATALOGUE = [
     Bad("walkers committed to other devices than the kernel's mesh",
         lambda: sv.walker_parallel(energy.__wrapped__, mesh=sv.create_mesh())(ONE, other_mesh_walkers()), sv.CallError,
         ("energy", "PerWalker parameter 'r'", "other devices", "devices [0, 1, 2]", "sv.shard_walker(x, mesh)")),
+    Bad("walkers on a mesh of another size inside jax.jit",
+        lambda: jax.jit(sv.walker_parallel(energy.__wrapped__, mesh=sv.create_mesh()))(ONE, other_mesh_walkers()),
+        sv.CallError, ("energy", "PerWalker parameter 'r'", "a mesh of 3 devices", "traced computation",
+                       "{'walkers': 3}", "jax.set_mesh(mesh)")),
     # ------------------------------------------------ call time: keys, statics, n_valid, meshes
     Bad("integer seed as WalkerKey", lambda: move(3, R8), sv.CallError,
         ("move", "WalkerKey parameter 'key'", "int32[]", "jax.random.key(seed)", "pass ONE key")),
