@@ -2,24 +2,44 @@
 
 Every cell runs one entry point under one transform in one mesh context, on a mesh of 1, 3
 or 8 devices with a walker count the mesh divides or not, and compares with the unsharded
-reference: the same computation written with ``jax.vmap`` on one device (``REFERENCE``
-below), float64 throughout, so agreement is to round-off (``RTOL``).
+reference (each entry's ``reference``): the same computation written with ``jax.vmap`` on one
+device, or an independent oracle, float64 throughout, so agreement is to round-off (``RTOL``).
 
-The full product (``len(ENTRIES) x len(TRANSFORMS) x len(CONTEXTS) x 3 x 2`` cells, over
-two thousand) compiles a program per cell, too slow for CI. It is sampled with a fixed
+The entry points (``ENTRIES``): ``walker_parallel`` (with a ``WalkerKey``, ``PerWalker`` and
+``Mean`` outputs), ``replicated_args``, ``shard_vmap``, ``sharded_batched_vmap``,
+``walker_mean``/``walker_sum``, ``jtj``/``jtv``, ``natural_gradient``,
+``shardvmc.optax.natural_gradient``, ``statistics``, ``StatsAccumulator`` (12 steps
+accumulated in a ``lax.scan`` with ``max_blocks=12``: the buffer fills and is never merged,
+so its statistics are those of the stored series, against ``statistics`` on one device) and
+``shardvmc.kfac.Optimizer`` (init and one step of a one-layer loss in FermiNet's calling
+convention, against ``kfac_jax.Optimizer(multi_device=False)`` on the whole batch on one
+device, where the loss's ``pmean_if_pmap`` is a no-op; skipped, with the reason, where
+kfac-jax cannot be imported: JAX >= 0.11).
+
+The full product (``sum over entries of len(transforms) x len(CONTEXTS) x 3 x 2`` cells,
+over two thousand) compiles a program per cell, too slow for CI. It is sampled with a fixed
 seed (``SEED``) as a pairwise covering: every (entry point, transform) pair and every
 (transform, context) pair and every (entry point, context) pair appears at least once,
 each cell with a device count and walker count from the seeded generator. Change
 ``SEED`` to draw other cells; ``SHARDVMC_CONFORMANCE=full`` runs the whole product.
 
-Cells whose result is a documented error rather than a value: arrays committed to a
-sub-mesh passed to a kernel of all devices inside a trace raise the ``CallError`` that
-names the argument and both meshes (one traced program runs on one set of devices; an
-eager call runs on the arrays' mesh instead). A kernel whose own mesh spans other devices
-than the context mesh computes on the context mesh inside a trace: a value, compared.
+Cells whose result is a documented error rather than a value (``_expected_error``):
+
+- arrays committed to a sub-mesh passed to a kernel of all devices inside a trace raise
+  the ``CallError`` that names the argument and both meshes (one traced program runs on
+  one set of devices; an eager call runs on the arrays' mesh instead). A kernel whose own
+  mesh spans other devices than the context mesh computes on the context mesh inside a
+  trace: a value, compared.
+- ``shardvmc.kfac.Optimizer`` refuses a walker count its mesh does not divide (padding
+  cannot be masked out of a loss shardvmc does not write), and a call inside a trace under
+  a mesh context (``jax.set_mesh``, ``jax.sharding.set_mesh``): the traced program runs on
+  the context mesh's axes, where the loss's collectives over its ``pmap_axis_name`` find
+  no axis. Eagerly, under any context, it runs on its own mesh: a value, compared.
 
 Entry points that are not differentiable by design (the solver's update, the Monte Carlo
-statistics) are run under the transforms that do not differentiate.
+statistics, the optimiser's step) are run under the transforms that do not differentiate;
+the optimiser's step under those that make sense for it (``Entry.transforms``: not
+``vmap``).
 """
 
 from __future__ import annotations
