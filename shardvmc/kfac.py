@@ -117,11 +117,13 @@ from jax.core import Tracer
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from . import _kfac_compat
+from ._compat import context_mesh
 from ._decorator import WalkerParallel, kernel_of
 from ._errors import CallError, describe, message
+from ._internals import tracing
 from ._kernel import Options
 from ._markers import Kind, Layout, Param
-from ._mesh import resolve_mesh
+from ._mesh import call_mesh, mesh_of_arrays
 from ._placement import pad_n_walkers, replicate, shard_walker, slice_walkers
 from ._walkerset import WalkerSet, walker_count
 
@@ -191,16 +193,21 @@ class Optimizer:
             ``jax.value_and_grad(loss, has_aux=True)`` of FermiNet's ``make_loss``.
         l2_reg: as for ``kfac_jax.Optimizer``.
         mesh: the devices; the walkers are split over all its axes. Default: resolved at
-            the first ``init`` (``sv.use_mesh``, JAX's current mesh, else all devices)
-            and kept: kfac-jax reads the network's layers from one block shape.
+            the first ``init`` as a kernel's mesh is (the mesh another kernel left the
+            batch on, ``sv.use_mesh``, JAX's current mesh whatever its axis names, else
+            all devices) and kept: kfac-jax reads the network's layers from one block shape.
         pmap_axis_name: the axis name the loss's collectives use (FermiNet:
-            ``"qmc_pmap_axis"``); the kernels run on a mesh axis of this name.
+            ``"qmc_pmap_axis"``); the kernels run on a mesh axis of this name, the
+            optimiser's devices on one axis. Eager calls run there under any mesh context.
         **kwargs: the other arguments of ``kfac_jax.Optimizer``.
 
     Raises:
         CallError: for ``multi_device=``, ``debug=True``, or
             ``use_initial_damping_calibration=True`` (which reads values on the host in
-            the middle of the step).
+            the middle of the step); from ``init`` and ``step`` inside a trace
+            (``jax.jit``, ``lax.scan``...) under a mesh context (``jax.set_mesh``) other
+            than a mesh whose one axis is ``pmap_axis_name``: a traced program runs on
+            its context mesh's axes, where the loss's collectives find no such axis.
     """
 
     def __init__(
@@ -276,9 +283,11 @@ class Optimizer:
 
     # ------------------------------------------------------------------ the kernels
 
-    def _kernels(self) -> tuple[WalkerParallel, WalkerParallel]:
+    def _kernels(self, batch: Any = None) -> tuple[WalkerParallel, WalkerParallel]:
         if self._init_kernel is None or self._step_kernel is None:
-            self._mesh = resolve_mesh(self._mesh, "walkers", where=_WHERE) if self._mesh is None else self._mesh
+            if self._mesh is None:  # where a kernel without mesh= computes (see _mesh.call_mesh), at init
+                data = batch.data if isinstance(batch, WalkerSet) else batch
+                self._mesh = mesh_of_arrays(data, "walkers") or call_mesh(None, "walkers", _WHERE)[0]
             mesh = self._kmesh = _walker_mesh(self._mesh, self._axis)
             self._size = int(mesh.devices.size)
             r, w, s = Kind.REPLICATED, Kind.PER_WALKER, Kind.STATIC
@@ -295,6 +304,36 @@ class Optimizer:
                 self._axis,
             )
         return self._init_kernel, self._step_kernel
+
+    def _call(self, kernel: WalkerParallel, *args: Any) -> Any:
+        """``kernel(*args)`` on the optimiser's mesh, whose one axis is the loss's ``pmap_axis_name``.
+
+        A kernel under a mesh context computes on that mesh's axes (``_mesh.call_mesh``),
+        where the loss's collectives over ``pmap_axis_name`` would name no axis (an error
+        at best; kfac-jax's ``pmean_if_pmap`` silently skips an axis it does not find).
+        Eagerly, the optimiser's mesh is entered around the call; inside a trace it
+        cannot be (one traced program runs on its context mesh), which is refused.
+        """
+        assert self._kmesh is not None and self._mesh is not None
+        context = context_mesh()
+        if context is None or context == self._kmesh:
+            return kernel(*args)
+        if tracing():
+            raise CallError(
+                message(
+                    _WHERE,
+                    f"called inside a trace (jax.jit, lax.scan, jax.eval_shape...) under the mesh context "
+                    f"{dict(context.shape)}: a traced program runs on its context mesh's axes, and the loss's "
+                    f"collectives over pmap_axis_name={self._axis!r} would find no such axis there.",
+                    got=f"mesh context {dict(context.shape)}, the optimiser's mesh {dict(self._mesh.shape)}",
+                    expected=f"no mesh context, or one whose only axis is {self._axis!r}",
+                    fix="call init and step outside jax.jit (eagerly they run on the optimiser's mesh under any "
+                    f"context), or trace them under jax.set_mesh(sv.create_mesh(devices, axis_name={self._axis!r})) "
+                    "on the optimiser's devices, or with no mesh context.",
+                )
+            )
+        with jax.set_mesh(self._kmesh):
+            return kernel(*args)
 
     def _init_body(self, params: Any, rng: Any, batch: Any, func_state: Any) -> Any:
         with self._kfac.staging_context():
@@ -422,10 +461,12 @@ class Optimizer:
                 walker count the mesh divides, the same as every later ``step``).
             func_state: the loss's state, when ``value_func_has_state=True``.
         """
-        init_kernel, _ = self._kernels()
+        init_kernel, _ = self._kernels(batch)
         data = self._batch(batch, "batch")
         self._block_size = walker_count(data, _WHERE, "batch") // self._size
-        state = init_kernel(self._replicated(params), _key(rng), data, self._replicated(func_state))
+        state = self._call(
+            init_kernel, self._replicated(params), self._replicated(_key(rng)), data, self._replicated(func_state)
+        )
         if self._warn:
             check_curvature_blocks(self._kfac, params, stacklevel=3)
         return state
@@ -495,7 +536,7 @@ class Optimizer:
         scalars = self._replicated([None if x is None else jnp.asarray(x) for x in (learning_rate, momentum, damping)])
         params, state, func_state = self._replicated((params, state, func_state))
         self._trace_step = step
-        return step_kernel(params, state, _key(rng), data, func_state, *scalars, plan)
+        return self._call(step_kernel, params, state, self._replicated(_key(rng)), data, func_state, *scalars, plan)
 
 
 _DIAGONAL = frozenset({"generic", "scale_and_shift"})  # kfac-jax's layer tags whose blocks are diagonal

@@ -2,24 +2,44 @@
 
 Every cell runs one entry point under one transform in one mesh context, on a mesh of 1, 3
 or 8 devices with a walker count the mesh divides or not, and compares with the unsharded
-reference: the same computation written with ``jax.vmap`` on one device (``REFERENCE``
-below), float64 throughout, so agreement is to round-off (``RTOL``).
+reference (each entry's ``reference``): the same computation written with ``jax.vmap`` on one
+device, or an independent oracle, float64 throughout, so agreement is to round-off (``RTOL``).
 
-The full product (``len(ENTRIES) x len(TRANSFORMS) x len(CONTEXTS) x 3 x 2`` cells, over
-two thousand) compiles a program per cell, too slow for CI. It is sampled with a fixed
+The entry points (``ENTRIES``): ``walker_parallel`` (with a ``WalkerKey``, ``PerWalker`` and
+``Mean`` outputs), ``replicated_args``, ``shard_vmap``, ``sharded_batched_vmap``,
+``walker_mean``/``walker_sum``, ``jtj``/``jtv``, ``natural_gradient``,
+``shardvmc.optax.natural_gradient``, ``statistics``, ``StatsAccumulator`` (12 steps
+accumulated in a ``lax.scan`` with ``max_blocks=12``: the buffer fills and is never merged,
+so its statistics are those of the stored series, against ``statistics`` on one device) and
+``shardvmc.kfac.Optimizer`` (init and one step of a one-layer loss in FermiNet's calling
+convention, against ``kfac_jax.Optimizer(multi_device=False)`` on the whole batch on one
+device, where the loss's ``pmean_if_pmap`` is a no-op; skipped, with the reason, where
+kfac-jax cannot be imported: JAX >= 0.11).
+
+The full product (``sum over entries of len(transforms) x len(CONTEXTS) x 3 x 2`` cells,
+over two thousand) compiles a program per cell, too slow for CI. It is sampled with a fixed
 seed (``SEED``) as a pairwise covering: every (entry point, transform) pair and every
 (transform, context) pair and every (entry point, context) pair appears at least once,
 each cell with a device count and walker count from the seeded generator. Change
 ``SEED`` to draw other cells; ``SHARDVMC_CONFORMANCE=full`` runs the whole product.
 
-Cells whose result is a documented error rather than a value: arrays committed to a
-sub-mesh passed to a kernel of all devices inside a trace raise the ``CallError`` that
-names the argument and both meshes (one traced program runs on one set of devices; an
-eager call runs on the arrays' mesh instead). A kernel whose own mesh spans other devices
-than the context mesh computes on the context mesh inside a trace: a value, compared.
+Cells whose result is a documented error rather than a value (``_expected_error``):
+
+- arrays committed to a sub-mesh passed to a kernel of all devices inside a trace raise
+  the ``CallError`` that names the argument and both meshes (one traced program runs on
+  one set of devices; an eager call runs on the arrays' mesh instead). A kernel whose own
+  mesh spans other devices than the context mesh computes on the context mesh inside a
+  trace: a value, compared.
+- ``shardvmc.kfac.Optimizer`` refuses a walker count its mesh does not divide (padding
+  cannot be masked out of a loss shardvmc does not write), and a call inside a trace under
+  a mesh context (``jax.set_mesh``, ``jax.sharding.set_mesh``): the traced program runs on
+  the context mesh's axes, where the loss's collectives over its ``pmap_axis_name`` find
+  no axis. Eagerly, under any context, it runs on its own mesh: a value, compared.
 
 Entry points that are not differentiable by design (the solver's update, the Monte Carlo
-statistics) are run under the transforms that do not differentiate.
+statistics, the optimiser's step) are run under the transforms that do not differentiate;
+the optimiser's step under those that make sense for it (``Entry.transforms``: not
+``vmap``).
 """
 
 from __future__ import annotations
@@ -36,6 +56,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from optional_imports import import_or_skip
 
 import shardvmc as sv
 import shardvmc.optax as svx
@@ -105,6 +126,13 @@ class Entry:
     inputs: Callable[[int], tuple[Any, ...]]  # n walkers -> (x, *rest)
     differentiable: bool = True
     walker_outputs: bool = True  # whether outputs have a walker axis (vmap/scan stack around it)
+    transforms: tuple[str, ...] | None = None  # the transforms that make sense for it (None: all of them)
+
+
+def _usable(e: Entry) -> list[str]:
+    """The transforms an entry point runs under: its own list, without those that differentiate if it is not."""
+    allowed = TRANSFORMS if e.transforms is None else e.transforms
+    return [t for t, (_, diff) in TRANSFORMS.items() if t in allowed and (e.differentiable or not diff)]
 
 
 def _energy_kernel(mesh: Any) -> Callable[..., Any]:
@@ -180,6 +208,78 @@ def _stats(mesh: Any) -> Callable[..., Any]:
     return f
 
 
+def _accumulator(mesh: Any) -> Callable[..., Any]:
+    def f(x: jax.Array) -> Any:
+        # max_blocks = the 12 steps: the buffer fills and is never merged, so the blocks are the series itself and
+        # every statistic equals sv.statistics of the stored series to round-off (the class docstring).
+        acc = sv.StatsAccumulator.create(x[:, 0], max_blocks=12)
+        acc, _ = jax.lax.scan(lambda acc, xt: (acc.update(xt), None), acc, x.T)  # the steps of a sampling loop
+        s = acc.statistics(mesh=mesh)
+        return s.mean, s.error_of_mean, s.variance
+
+    return f
+
+
+KFAC_AXIS = "qmc_pmap_axis"
+KFAC_SETTINGS: dict[str, Any] = dict(  # no sampling in the curvature (fisher_exact): the same on any device count
+    l2_reg=0.0,
+    norm_constraint=1e-3,
+    learning_rate_schedule=lambda t: 0.1,
+    num_burnin_steps=0,
+    estimation_mode="fisher_exact",
+    pmap_axis_name=KFAC_AXIS,
+)
+
+
+def _kfac_jax() -> Any:
+    kfac_jax = import_or_skip("kfac_jax")  # kfac-jax 0.0.8 cannot be imported on JAX >= 0.11: skipped, with the reason
+    import shardvmc.kfac  # noqa: F401  (its import fixes kfac-jax 0.0.8 for JAX >= 0.9.2, the reference's too)
+
+    return kfac_jax
+
+
+def _dense_loss(params: dict[str, jax.Array], r: jax.Array) -> jax.Array:
+    """One dense layer in FermiNet's calling convention: a block of walkers, its own pmean over the pmap axis."""
+    kfac_jax = _kfac_jax()
+    y = jnp.tanh(r @ params["w"] + params["b"])
+    kfac_jax.register_squared_error_loss(y)
+    return kfac_jax.utils.pmean_if_pmap(jnp.mean(y**2), KFAC_AXIS)
+
+
+def _kfac_step(opt: Any, params: Any, r: jax.Array) -> Any:
+    """init and one step (the step number given: kfac-jax needs it inside jit); the new parameters and the loss."""
+    state = opt.init(params, jax.random.key(KEY_SEED), r)
+    step = opt.step(params, state, jax.random.key(KEY_SEED + 1), batch=r, momentum=0.0, damping=1e-3, global_step_int=0)
+    return step[0], step[-1]["loss"]
+
+
+def _kfac(mesh: Any) -> Callable[..., Any]:
+    _kfac_jax()
+    import shardvmc.kfac
+
+    return lambda p, r: _kfac_step(
+        shardvmc.kfac.Optimizer(jax.value_and_grad(_dense_loss), mesh=mesh, **KFAC_SETTINGS), p, r
+    )
+
+
+def _kfac_reference(p: Any, r: jax.Array) -> Any:
+    """kfac-jax itself on one device, the whole batch at once: an independent oracle."""
+    kfac_jax = _kfac_jax()
+
+    def loss(p: Any, r: jax.Array) -> jax.Array:
+        assert not kfac_jax.utils.in_pmap(KFAC_AXIS)  # so the loss's pmean_if_pmap is a no-op here
+        return _dense_loss(p, r)
+
+    opt = kfac_jax.Optimizer(jax.value_and_grad(loss), multi_device=False, **KFAC_SETTINGS)
+    return _kfac_step(opt, jax.tree_util.tree_map(jnp.copy, p), r)  # a copy: kfac-jax's step donates the parameters
+
+
+def _kfac_inputs(n: int) -> tuple[dict[str, jax.Array], jax.Array]:
+    k1, k2 = jax.random.split(jax.random.key(5))
+    params = {"w": jax.random.normal(k1, (3, 4), jnp.float64) / 3, "b": jnp.zeros(4, jnp.float64)}
+    return params, jax.random.normal(k2, (n, 3), jnp.float64)
+
+
 def _jacobian_inputs(n: int) -> tuple[jax.Array, jax.Array]:
     k1, k2 = jax.random.split(jax.random.key(3))
     return jax.random.normal(k1, (n, 6), jnp.float64), jax.random.normal(k2, (n,), jnp.float64)
@@ -244,6 +344,16 @@ ENTRIES = (
     Entry("natural_gradient", _solver, _solver_reference, _jacobian_inputs, differentiable=False, walker_outputs=False),
     Entry("optax.natural_gradient", _chain, _solver_reference, _jacobian_inputs, False, walker_outputs=False),
     Entry("statistics", _stats, _stats_reference, _series, differentiable=False, walker_outputs=False),
+    Entry("StatsAccumulator", _accumulator, _stats_reference, _series, differentiable=False, walker_outputs=False),
+    Entry(
+        "kfac.Optimizer",
+        _kfac,
+        _kfac_reference,
+        _kfac_inputs,
+        differentiable=False,
+        walker_outputs=False,
+        transforms=("eager", "jit", "scan", "cond", "eval_shape", "lower_compile"),  # an optimiser's step
+    ),
 )
 
 
@@ -376,15 +486,30 @@ CONTEXTS: dict[str, Callable[[int], tuple[Any, Any, Any]]] = {
 }
 
 
-def _expected_error(context: str, transform: str, d: int) -> type[Exception] | None:
-    """The documented error a cell may raise instead of its value (any other error fails the cell).
+MESH_CONTEXTS = {  # the contexts that set a mesh context (jax.set_mesh, jax.sharding.set_mesh)
+    "set_mesh auto",
+    "set_mesh explicit",
+    "set_mesh other axis",
+    "global set_mesh other axis",
+    "mesh= inside another mesh",
+}
 
-    Arrays on a sub-mesh in a traced step: the ``CallError`` naming them, or the right value
-    where JAX runs the step eagerly (``grad``, ``vmap``... outside ``jit`` run on the arrays' mesh).
+
+def _expected_error(entry: str, context: str, transform: str, d: int, n: int) -> tuple[type[Exception] | None, bool]:
+    """The documented error of a cell, and whether it must be raised (else the cell may give the right value).
+
+    Any other error fails the cell. Arrays on a sub-mesh in a traced step: the ``CallError``
+    naming them, or the right value where JAX runs the step eagerly (``grad``, ``vmap``...
+    outside ``jit`` run on the arrays' mesh).
     """
+    if entry == "kfac.Optimizer":
+        if n % d:  # padding cannot be masked out of a loss shardvmc does not write
+            return sv.CallError, True
+        if transform in TRACED and context in MESH_CONTEXTS:  # the loss's collectives name the optimiser's axis
+            return sv.CallError, True
     if context == "inputs on a sub-mesh" and transform in TRACED and d != len(jax.devices()):
-        return sv.CallError
-    return None
+        return sv.CallError, False
+    return None, False
 
 
 # ---- the sample ---------------------------------------------------------------------------------------
@@ -393,7 +518,7 @@ def _expected_error(context: str, transform: str, d: int) -> type[Exception] | N
 def _cells() -> list[tuple[str, str, str, int, str]]:
     rng = random.Random(SEED)
     entries = [e.name for e in ENTRIES]
-    usable = {e.name: [t for t, (_, diff) in TRANSFORMS.items() if e.differentiable or not diff] for e in ENTRIES}
+    usable = {e.name: _usable(e) for e in ENTRIES}
     if os.environ.get("SHARDVMC_CONFORMANCE") == "full":
         return [(e, t, c, d, n) for e in entries for t in usable[e] for c in CONTEXTS for d in DEVICES for n in COUNTS]
     cells: set[tuple[str, str, str]] = set()
@@ -422,9 +547,8 @@ def test_the_sample_covers_every_pair():
     seen_tc = {(t, c) for _, t, c, *_ in CELLS}
     seen_ec = {(e, c) for e, _, c, *_ in CELLS}
     for e in ENTRIES:
-        for t, (_, diff) in TRANSFORMS.items():
-            if e.differentiable or not diff:
-                assert (e.name, t) in seen_et
+        assert all((e.name, t) in seen_et for t in _usable(e))
+        assert not any(t not in _usable(e) for name, t in seen_et if name == e.name)
         assert all((e.name, c) in seen_ec for c in CONTEXTS)
     assert all((t, c) in seen_tc for t in TRANSFORMS for c in CONTEXTS)
     assert {d for *_, d, _ in CELLS} == set(DEVICES) and {n for *_, n in CELLS} == set(COUNTS)
@@ -451,9 +575,13 @@ def test_cell(entry: str, transform: str, context: str, d: int, count: str) -> N
             else sv.replicate(a, committed)
             for a in inputs
         )
-    error = _expected_error(context, transform, d)
+    error, required = _expected_error(entry, context, transform, d, n)
     with ctx:
         f = e.make(mesh)
+        if required:
+            with pytest.raises(error):
+                jax.block_until_ready(run(f, *inputs))
+            return
         try:
             got = jax.block_until_ready(run(f, *inputs))
         except Exception as err:

@@ -340,3 +340,40 @@ def test_data_iterators_give_one_batch_per_step_and_burn_in_is_refused():
     assert len(drawn) == 1 and _max_diff(p, p2) == 0.0
     with pytest.raises(sv.CallError, match="exactly one of batch= and data_iterator="):
         opt.step(p, state, _keys(2), data_iterator=it, batch=batch, momentum=0.0, damping=1e-3)
+
+
+def test_steps_under_any_mesh_context_run_on_the_optimisers_axis():
+    """A mesh context (jax.set_mesh, jax.sharding.set_mesh, of any axis names) does not take the loss's axis away.
+
+    Kernels under a mesh context compute on its axes; the optimiser's loss names its own
+    axis, so eager calls enter the optimiser's mesh, and a mesh=None optimiser takes the
+    context's devices whatever its axis names (it raised "no axis named 'walkers'" under
+    ("S",), and a NameError for the unbound pmap axis under a walkers mesh). Inside a
+    trace under such a context the axis cannot be had: a CallError saying so.
+    """
+    params, batch = _dense_problem(8)
+    devices = jax.devices()[:2]
+    settings = dict(DENSE, num_burnin_steps=0, estimation_mode="fisher_exact")
+
+    def run(mesh=None):
+        opt = svk.Optimizer(jax.value_and_grad(_dense_loss), mesh=mesh, **settings)
+        state = opt.init(params, _keys(0), batch)
+        return opt, state, opt.step(params, state, _keys(1), batch=batch, momentum=0.0, damping=1e-3)[0]
+
+    expected = run(sv.create_mesh(devices))[2]
+    for context in (sv.create_mesh(devices), jax.make_mesh((2,), ("S",), devices=devices)):
+        with jax.set_mesh(context):
+            opt, state, got = run()
+            assert opt.mesh == context and _max_diff(got, expected) <= 1e-12
+            with pytest.raises(sv.CallError, match=r"inside a trace .*pmap_axis_name='qmc_pmap_axis'"):
+                jax.jit(lambda s: opt.step(params, s, _keys(1), batch=batch, momentum=0.0, damping=1e-3,
+                                           global_step_int=0))(state)  # fmt: skip
+    jax.sharding.set_mesh(context)  # as another library does at import (NetKet: ("S",))
+    try:
+        assert _max_diff(run(sv.create_mesh(devices))[2], expected) <= 1e-12  # mesh= of the same devices
+    finally:
+        jax.sharding.set_mesh(None)
+    with jax.set_mesh(sv.create_mesh(devices, axis_name=kfac_loss.AXIS)):  # the fix the error names
+        got = jax.jit(lambda s: opt.step(params, s, _keys(1), batch=batch, momentum=0.0, damping=1e-3,
+                                         global_step_int=0)[0])(state)  # fmt: skip
+    assert _max_diff(got, expected) <= 1e-12
