@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import sys
@@ -17,6 +18,7 @@ from jax.sharding import Mesh
 
 from . import _compat
 from ._caches import register_kernel
+from ._compat import get_concrete_mesh
 from ._errors import ArgumentsError, CallError, DecorationError, ShardvmcError, UnhashableStaticError, message
 from ._kernel import (
     TRACED,
@@ -29,7 +31,7 @@ from ._kernel import (
     raised_in_body,
 )
 from ._markers import Kind, Layout, missing_markers_error, parse
-from ._mesh import call_mesh, entered_mesh, mesh_of_arrays, onto_mesh
+from ._mesh import CHOSEN_MESH, call_mesh, entered_mesh, mesh_of_arrays, onto_mesh
 from ._plan import KernelSpec, Plan, PlanKey, auto_signature, make_plan, pinned_out_shardings, raise_if_disagree
 from ._stats import BODY_VAR
 from ._walkerset import WalkerSet, check_n_valid, first_count, split_walker_set
@@ -98,6 +100,9 @@ class WalkerParallel:
         self._missing: list[str] = []
         self._plans: dict[tuple[Any, ...], Plan] = {}  # by PlanKey, held as a plain tuple (cheaper to build)
         self._jits: dict[tuple[Mesh, Any], Any] = {}  # the kernel's jax.jit per (mesh, walker axes)
+        # With no mesh context, call_mesh's answer depends on the chosen mesh only (the kernel's own, or
+        # sv.use_mesh's, or None): its jit is kept per chosen mesh, so such a call skips call_mesh.
+        self._unset: dict[Mesh | None, Any] = {}
         register_kernel(self)
         if layout is None:
             # Unmarked parameters are reported at the first call: a replicated_args(...) stacked above may
@@ -315,8 +320,17 @@ class WalkerParallel:
             return self._nested_call(body.mode, args, kwargs)
         if kwargs or len(args) != self._n_params:
             args = self._arguments(args, kwargs)
-        mesh, axis, enter = call_mesh(self._mesh, self._options.axis_name, self._qualname)
-        jitted = self._jits.get((mesh, axis)) or self._jit_for(mesh, axis)
+        context = get_concrete_mesh()
+        mesh = enter = None
+        if context is None or context.empty:
+            chosen = self._mesh if self._mesh is not None else CHOSEN_MESH.get()
+            try:
+                jitted = self._unset[chosen]
+            except (KeyError, TypeError):  # TypeError: no mesh at all (a list of devices, say): call_mesh explains
+                jitted = self._unset_jit(chosen)
+        else:
+            mesh, axis, enter = call_mesh(self._mesh, self._options.axis_name, self._qualname)
+            jitted = self._jits.get((mesh, axis)) or self._jit_for(mesh, axis)
         if n_valid is not None:
             n_valid = self._n_valid_argument(args, n_valid)
         try:
@@ -338,6 +352,15 @@ class WalkerParallel:
         """Forget this kernel's plans and programs (``sv.clear_caches`` calls it for every kernel)."""
         self._plans.clear()
         self._jits.clear()
+        self._unset.clear()
+
+    def _unset_jit(self, chosen: Mesh | None) -> Any:
+        """The jit of a call with no mesh context and ``chosen`` as the chosen mesh (kept when hashable)."""
+        mesh, axis, _ = call_mesh(self._mesh, self._options.axis_name, self._qualname)
+        jitted = self._jits.get((mesh, axis)) or self._jit_for(mesh, axis)
+        with contextlib.suppress(TypeError):
+            self._unset[chosen] = jitted
+        return jitted
 
     def _jit_for(self, mesh: Mesh, axis: str | tuple[str, ...]) -> Any:
         """The kernel's ``jax.jit`` on ``mesh`` (one per mesh and walker axes; built at their first call)."""
@@ -377,7 +400,7 @@ class WalkerParallel:
         return (out, agree) if self._verify else out
 
     def _recover(
-        self, err: Exception, jitted: Any, args: tuple[Any, ...], n_valid: Any, mesh: Mesh, enter: Mesh | None
+        self, err: Exception, jitted: Any, args: tuple[Any, ...], n_valid: Any, mesh: Mesh | None, enter: Mesh | None
     ) -> Any:
         """A call that failed before or after its trace: explain it, or run the arguments jax.jit refused.
 
@@ -386,6 +409,8 @@ class WalkerParallel:
         call runs with them split off, as ``equinox.filter_jit`` does), unhashable ``Static``
         values; lowering refuses arrays on other devices than the mesh. Nothing compiles twice.
         """
+        if mesh is None:  # the call skipped call_mesh (no mesh context): the same answer
+            mesh = call_mesh(self._mesh, self._options.axis_name, self._qualname)[0]
         elsewhere = getattr(err, _ELSEWHERE, False)
         if (getattr(err, _TRACED_ERROR, False) or isinstance(err, ShardvmcError)) and not elsewhere:
             raise err

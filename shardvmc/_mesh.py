@@ -17,6 +17,7 @@ from . import _compat, _internals
 from ._errors import CallError, message
 
 __all__ = [
+    "CHOSEN_MESH",
     "create_mesh",
     "get_replicated_sharding",
     "get_walker_sharding",
@@ -32,7 +33,8 @@ __all__ = [
     "use_mesh_is_set",
 ]
 
-_CURRENT_MESH: contextvars.ContextVar[Mesh | None] = contextvars.ContextVar("shardvmc_mesh", default=None)
+# The mesh of sv.use_mesh (None: none). Read by the kernels' call path (_decorator) as well as here.
+CHOSEN_MESH: contextvars.ContextVar[Mesh | None] = contextvars.ContextVar("shardvmc_mesh", default=None)
 
 
 def create_mesh(devices: Sequence[Any] | None = None, axis_name: str = "walkers") -> Mesh:
@@ -85,7 +87,7 @@ def resolve_mesh(mesh: Mesh | None, axis_name: str | tuple[str, ...] = "walkers"
         CallError: when the resolved mesh has no axis called ``axis_name``.
     """
     if mesh is None:
-        mesh = _CURRENT_MESH.get() or _compat.context_mesh()
+        mesh = CHOSEN_MESH.get() or _compat.context_mesh()
         if mesh is None:
             return _default_mesh(axis_name)
     if not isinstance(mesh, Mesh):
@@ -139,7 +141,7 @@ def call_mesh(mesh: Mesh | None, axis_name: str | tuple[str, ...], where: str) -
 
     Called on every kernel call: the common cases are dictionary lookups.
     """
-    chosen = mesh if mesh is not None else _CURRENT_MESH.get()
+    chosen = mesh if mesh is not None else CHOSEN_MESH.get()
     context = _get_concrete_mesh()
     if context is None or context.empty:
         if chosen is None:
@@ -175,7 +177,7 @@ def mesh_of_arrays(tree: Any, axis_name: str | tuple[str, ...]) -> Mesh | None:
     live, instead of moving them to all devices. ``None`` when nothing is to be read (a
     tracer, an array without a mesh, a chosen mesh, a mesh without the walker axes).
     """
-    if _CURRENT_MESH.get() is not None or _compat.context_mesh() is not None:
+    if CHOSEN_MESH.get() is not None or _compat.context_mesh() is not None:
         return None
     leaves = jax.tree_util.tree_leaves(tree)
     if not leaves or not isinstance(leaves[0], jax.Array) or isinstance(leaves[0], Tracer):
@@ -247,7 +249,7 @@ def entered_mesh(mesh: Mesh | None) -> Iterator[None]:
 
 def use_mesh_is_set() -> bool:
     """Whether a :func:`use_mesh` context is active (JAX's own mesh contexts are not counted)."""
-    return _CURRENT_MESH.get() is not None
+    return CHOSEN_MESH.get() is not None
 
 
 @contextlib.contextmanager
@@ -264,11 +266,11 @@ def use_mesh(mesh: Mesh) -> Iterator[Mesh]:
         >>> len(x.sharding.mesh.devices)
         1
     """
-    token = _CURRENT_MESH.set(mesh)
+    token = CHOSEN_MESH.set(mesh)
     try:
         yield mesh
     finally:
-        _CURRENT_MESH.reset(token)
+        CHOSEN_MESH.reset(token)
 
 
 def n_devices() -> int:

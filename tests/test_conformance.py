@@ -651,3 +651,18 @@ def test_arrays_on_a_sub_mesh_inside_jit_raise_a_call_error_naming_them():
             jax.jit(f)(*args)
         text = str(info.value)
         assert name in text and "{'walkers': 3}" in text and str(list(range(len(jax.devices())))) in text
+
+
+def test_a_kernel_without_a_mesh_follows_use_mesh_call_by_call():
+    """The jit kept per chosen mesh (no mesh context) follows sv.use_mesh in and out, in any order."""
+    e = ENTRY["walker_parallel"]
+    p, r = e.inputs(12)
+    expected = e.reference(p, r)
+    kernel = e.make(None)
+    n = len(jax.devices())
+    for d in (3, n, 1, 3, n):
+        ctx = sv.use_mesh(sv.create_mesh(_devices(d))) if d != n else contextlib.nullcontext()
+        with ctx:
+            got = kernel(p, r)
+        assert len(got[0].sharding.device_set) == d
+        np.testing.assert_allclose(np.asarray(got[1]), np.asarray(expected[1]), rtol=RTOL)
