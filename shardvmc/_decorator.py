@@ -20,6 +20,7 @@ from . import _compat
 from ._caches import register_kernel
 from ._compat import get_concrete_mesh
 from ._errors import ArgumentsError, CallError, DecorationError, ShardvmcError, UnhashableStaticError, message
+from ._internals import tracing
 from ._kernel import (
     TRACED,
     Options,
@@ -100,9 +101,7 @@ class WalkerParallel:
         self._missing: list[str] = []
         self._plans: dict[tuple[Any, ...], Plan] = {}  # by PlanKey, held as a plain tuple (cheaper to build)
         self._jits: dict[tuple[Mesh, Any], Any] = {}  # the kernel's jax.jit per (mesh, walker axes)
-        # With no mesh context, call_mesh's answer depends on the chosen mesh only (the kernel's own, or
-        # sv.use_mesh's, or None): its jit is kept per chosen mesh, so such a call skips call_mesh.
-        self._unset: dict[Mesh | None, Any] = {}
+        self._calls: dict[Any, tuple[Any, Mesh, Mesh | None]] = {}  # call_mesh's answer and its jit (__call__)
         register_kernel(self)
         if layout is None:
             # Unmarked parameters are reported at the first call: a replicated_args(...) stacked above may
@@ -320,17 +319,15 @@ class WalkerParallel:
             return self._nested_call(body.mode, args, kwargs)
         if kwargs or len(args) != self._n_params:
             args = self._arguments(args, kwargs)
+        # Where the call computes (call_mesh) depends on the chosen mesh, the context mesh and, under a context
+        # of other devices, whether the call is traced: kept per those, so a repeated call skips call_mesh.
         context = get_concrete_mesh()
-        mesh = enter = None
-        if context is None or context.empty:
-            chosen = self._mesh if self._mesh is not None else CHOSEN_MESH.get()
-            try:
-                jitted = self._unset[chosen]
-            except (KeyError, TypeError):  # TypeError: no mesh at all (a list of devices, say): call_mesh explains
-                jitted = self._unset_jit(chosen)
-        else:
-            mesh, axis, enter = call_mesh(self._mesh, self._options.axis_name, self._qualname)
-            jitted = self._jits.get((mesh, axis)) or self._jit_for(mesh, axis)
+        chosen = self._mesh if self._mesh is not None else CHOSEN_MESH.get()
+        key = chosen if context is None or context.empty else (chosen, context, tracing())
+        try:
+            jitted, mesh, enter = self._calls[key]
+        except (KeyError, TypeError):  # TypeError: no mesh at all (a list of devices, say): call_mesh explains
+            jitted, mesh, enter = self._resolve(key)
         if n_valid is not None:
             n_valid = self._n_valid_argument(args, n_valid)
         try:
@@ -352,15 +349,17 @@ class WalkerParallel:
         """Forget this kernel's plans and programs (``sv.clear_caches`` calls it for every kernel)."""
         self._plans.clear()
         self._jits.clear()
-        self._unset.clear()
+        self._calls.clear()
 
-    def _unset_jit(self, chosen: Mesh | None) -> Any:
-        """The jit of a call with no mesh context and ``chosen`` as the chosen mesh (kept when hashable)."""
-        mesh, axis, _ = call_mesh(self._mesh, self._options.axis_name, self._qualname)
-        jitted = self._jits.get((mesh, axis)) or self._jit_for(mesh, axis)
+    def _resolve(self, key: Any) -> tuple[Any, Mesh, Mesh | None]:
+        """The jit, mesh and mesh to enter of a call (``call_mesh``), kept under ``key`` when it is hashable."""
+        mesh, axis, enter = call_mesh(self._mesh, self._options.axis_name, self._qualname)
+        found = (self._jits.get((mesh, axis)) or self._jit_for(mesh, axis), mesh, enter)
+        if len(self._calls) > 64:  # meshes and contexts are few; a program that builds many keeps this bounded
+            self._calls.clear()
         with contextlib.suppress(TypeError):
-            self._unset[chosen] = jitted
-        return jitted
+            self._calls[key] = found
+        return found
 
     def _jit_for(self, mesh: Mesh, axis: str | tuple[str, ...]) -> Any:
         """The kernel's ``jax.jit`` on ``mesh`` (one per mesh and walker axes; built at their first call)."""
@@ -400,7 +399,7 @@ class WalkerParallel:
         return (out, agree) if self._verify else out
 
     def _recover(
-        self, err: Exception, jitted: Any, args: tuple[Any, ...], n_valid: Any, mesh: Mesh | None, enter: Mesh | None
+        self, err: Exception, jitted: Any, args: tuple[Any, ...], n_valid: Any, mesh: Mesh, enter: Mesh | None
     ) -> Any:
         """A call that failed before or after its trace: explain it, or run the arguments jax.jit refused.
 
@@ -409,8 +408,6 @@ class WalkerParallel:
         call runs with them split off, as ``equinox.filter_jit`` does), unhashable ``Static``
         values; lowering refuses arrays on other devices than the mesh. Nothing compiles twice.
         """
-        if mesh is None:  # the call skipped call_mesh (no mesh context): the same answer
-            mesh = call_mesh(self._mesh, self._options.axis_name, self._qualname)[0]
         elsewhere = getattr(err, _ELSEWHERE, False)
         if (getattr(err, _TRACED_ERROR, False) or isinstance(err, ShardvmcError)) and not elsewhere:
             raise err

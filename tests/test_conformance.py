@@ -624,7 +624,9 @@ def test_a_kernel_of_other_devices_runs_inside_a_trace_under_another_mesh():
         jitted = jax.jit(e)(x)
         grad = jax.grad(e)(x)
         scanned = jax.lax.scan(lambda c, s: (c + e(s * x), None), 0.0, jnp.array([1.0, 2.0]))[0]
-    assert float(eager) == float(jitted) == 3.0 and float(scanned) == 15.0
+        again = e(x)  # eager after traced calls in the same context: on its own devices again
+    assert float(eager) == float(jitted) == float(again) == 3.0 and float(scanned) == 15.0
+    assert len(again.sharding.device_set) == 3
     np.testing.assert_allclose(np.asarray(grad), np.full((6, 3), 2.0 / 6))
     assert len(eager.sharding.device_set) == 3 and len(jitted.sharding.device_set) == n
 
