@@ -114,9 +114,7 @@ def resolve_mesh(mesh: Mesh | None, axis_name: str | tuple[str, ...] = "walkers"
     return mesh
 
 
-_get_concrete_mesh = _compat.get_concrete_mesh  # bound once: this module's lookup is on every kernel call
 _CallMesh = tuple[Mesh, "str | tuple[str, ...]", "Mesh | None"]
-_OWN_MESHES: dict[tuple[Mesh, Any], _CallMesh] = {}  # a kernel's checked mesh, with no context mesh set
 
 
 def call_mesh(mesh: Mesh | None, axis_name: str | tuple[str, ...], where: str) -> _CallMesh:
@@ -139,21 +137,15 @@ def call_mesh(mesh: Mesh | None, axis_name: str | tuple[str, ...], where: str) -
     - with no context mesh, the kernel's mesh (or all devices), with Auto axes: an Explicit
       mesh's types would need a mesh context for the cotangents of an eager ``jax.grad``.
 
-    Called on every kernel call: the common cases are dictionary lookups.
+    A kernel keeps the answer per call context (``WalkerParallel.__call__``), so a repeated
+    call does not come here.
     """
     chosen = mesh if mesh is not None else CHOSEN_MESH.get()
-    context = _get_concrete_mesh()
+    context = _compat.get_concrete_mesh()
     if context is None or context.empty:
         if chosen is None:
             return _default_mesh(axis_name), axis_name, None
-        try:
-            return _OWN_MESHES[chosen, axis_name]
-        except (KeyError, TypeError):  # TypeError: no mesh at all (a list of devices, say): explained below
-            checked = resolve_mesh(chosen, axis_name, where=where)
-            if len(_OWN_MESHES) > 64:  # meshes are few; a program that builds many keeps this bounded
-                _OWN_MESHES.clear()
-            found = _OWN_MESHES[chosen, axis_name] = (_compat.auto_axes_mesh(checked), axis_name, None)
-            return found
+        return _compat.auto_axes_mesh(resolve_mesh(chosen, axis_name, where=where)), axis_name, None
     if chosen is not None:
         chosen = resolve_mesh(chosen, axis_name, where=where)
         if chosen == context:
