@@ -483,11 +483,6 @@ def natural_gradient(
                                     real_params=real_params,
                                     momentum=momentum, previous=previous, chunks=chunks, memory_budget=memory_budget,
                                     mesh=enter, axis_name=axis_name)  # fmt: skip
-    for what, tree in (("J", J), ("e", e)):
-        for leaf in jax.tree_util.tree_leaves(tree):
-            error = traced_mesh_error(_WHERE, what, leaf, mesh)
-            if error is not None:
-                raise error
     d = _compat.axis_size(mesh, axis_name)
     e, n_e = split_walker_set(e)
     n_valid = _agree_n_valid(n_valid, n_j, n_e)
@@ -504,6 +499,10 @@ def natural_gradient(
             message(_WHERE, "chunks must be a positive int or None.", got=repr(chunks), fix="pass e.g. chunks=4.")
         )
     leaves, treedef = jax.tree_util.tree_flatten(J)
+    for what, leaf in [*(("J", leaf) for leaf in leaves), ("e", e)]:
+        error = traced_mesh_error(_WHERE, what, leaf, mesh)
+        if error is not None:
+            raise error
     n = _check_shapes(leaves, J, e)
     check_n_valid(_WHERE, n_valid, n)
     _check_damping(damping, method, solver)
