@@ -6,6 +6,7 @@ in ``report.facts``. Import this module only after the device count is set.
 """
 
 import collections
+import contextvars
 import dataclasses
 import datetime
 import os
@@ -241,7 +242,17 @@ def call_overhead(cfg: Config, report: Report) -> None:
         def __call__(self, *args: Any) -> Any:
             return hand(*args)
 
-    forward = Forward()
+    read = contextvars.ContextVar("read", default=None)
+
+    class ForwardAfterRead:
+        """A forwarding class that first reads one context variable (about 0.03 us), as a kernel reads its context."""
+
+        def __call__(self, *args: Any) -> Any:
+            if read.get() is not None:
+                raise AssertionError
+            return hand(*args)
+
+    forward, forward_read = Forward(), ForwardAfterRead()
     alpha = sv.replicate(jnp.float32(0.5), mesh)
     r = sv.shard_walker(np.ones((n, 3), np.float32), mesh)
     report.facts["tiny_rel_diff"] = max(
@@ -255,19 +266,21 @@ def call_overhead(cfg: Config, report: Report) -> None:
         "hand_n_valid": lambda: hand_mean(alpha, r, n - 1),
         "hand_2us": lambda: hand_after_python(2.0),
         "hand_forwarded": lambda: forward(alpha, r),
+        "hand_forwarded_read": lambda: forward_read(alpha, r),
     }
     waited = interleaved(
         {k: (lambda f=f: f().block_until_ready()) for k, f in thunks.items()}, cfg.reps, cfg.tiny_calls
     )
     # Only kernels without collectives are queued: on fake CPU devices a deep queue of programs with an
     # all-reduce can deadlock XLA's rendezvous (seen here: 7 of 8 device threads arrived, abort after 40 s).
-    no_collectives = ("decorated", "hand", "hand_2us", "hand_forwarded")
+    no_collectives = ("decorated", "hand", "hand_2us", "hand_forwarded", "hand_forwarded_read")
     queued = interleaved({k: thunks[k] for k in no_collectives}, cfg.reps, cfg.tiny_calls)
     for a, b, what, goal in (
         ("decorated", "hand", "decorated / jitted hand-written", "<= 1.05"),
         ("decorated_n_valid", "hand_n_valid", "Mean, n_valid=: decorated / jitted hand-written masked mean", "<= 1.05"),
         ("hand_2us", "hand", "calibration: hand-written after 2 us of Python busy-wait / hand-written", ""),
         ("hand_forwarded", "hand", "calibration: hand-written behind a forwarding Python class / hand-written", ""),
+        ("hand_forwarded_read", "hand_forwarded", "calibration: it, after reading a context variable / without", ""),
     ):
         for mode, times in (("each call waited for", waited), ("calls queued, wait for the last", queued)):
             if a not in times:

@@ -23,15 +23,16 @@ import jax
 from jax.sharding import AbstractMesh, Mesh
 
 from ._caches import bounded
-from ._internals import get_concrete_mesh  # the cheap getter of the context mesh (see _internals)
+from ._internals import CONTEXT_MESH, NO_CONTEXT_MESH  # the cheap reading of the context mesh (see _internals)
 
 __all__ = [
     "CHECK_VMA",
+    "CONTEXT_MESH",
+    "NO_CONTEXT_MESH",
     "auto_axes_mesh",
     "axis_size",
     "constrain",
     "context_mesh",
-    "get_concrete_mesh",
     "has_explicit_axes",
     "shard_map",
 ]
@@ -79,8 +80,8 @@ def constrain(tree: Any, sharding: jax.sharding.NamedSharding) -> Any:
 
 def context_mesh() -> Mesh | None:
     """JAX's current mesh (``jax.set_mesh``, also inside a trace), or ``None`` when none is set."""
-    mesh = get_concrete_mesh()
-    return None if mesh is None or mesh.empty else mesh
+    mesh = CONTEXT_MESH.value
+    return None if mesh is None or mesh is NO_CONTEXT_MESH or mesh.empty else mesh
 
 
 @bounded(64)

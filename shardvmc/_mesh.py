@@ -141,8 +141,8 @@ def call_mesh(mesh: Mesh | None, axis_name: str | tuple[str, ...], where: str) -
     call does not come here.
     """
     chosen = mesh if mesh is not None else CHOSEN_MESH.get()
-    context = _compat.get_concrete_mesh()
-    if context is None or context.empty:
+    context = _compat.context_mesh()
+    if context is None:
         if chosen is None:
             return _default_mesh(axis_name), axis_name, None
         return _compat.auto_axes_mesh(resolve_mesh(chosen, axis_name, where=where)), axis_name, None

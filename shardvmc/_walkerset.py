@@ -405,18 +405,21 @@ def check_n_valid(where: str, n_valid: Any, n_walkers: int) -> None:
         )
     if n_valid is None or isinstance(n_valid, Tracer):
         return
-    dtype = getattr(n_valid, "dtype", None)
-    integral = isinstance(n_valid, int) if dtype is None else jnp.issubdtype(dtype, jnp.integer)
-    if isinstance(n_valid, bool) or not integral or np.shape(n_valid) != ():
-        raise CallError(
-            message(
-                where,
-                "n_valid must be one integer, the number of real walkers.",
-                got=f"{type(n_valid).__name__} {dtype or ''}{list(np.shape(n_valid))}",
-                fix="pass a Python int or an integer scalar array, or pass a sv.WalkerSet that carries its count.",
+    if type(n_valid) is int:  # the usual count (pad_walker's), on the per-call path: np.shape costs 2 us
+        value = n_valid
+    else:
+        dtype = getattr(n_valid, "dtype", None)
+        integral = isinstance(n_valid, int) if dtype is None else jnp.issubdtype(dtype, jnp.integer)
+        if isinstance(n_valid, bool) or not integral or np.shape(n_valid) != ():
+            raise CallError(
+                message(
+                    where,
+                    "n_valid must be one integer, the number of real walkers.",
+                    got=f"{type(n_valid).__name__} {dtype or ''}{list(np.shape(n_valid))}",
+                    fix="pass a Python int or an integer scalar array, or pass a sv.WalkerSet that carries its count.",
+                )
             )
-        )
-    value = int(n_valid)
+        value = int(n_valid)
     if not 1 <= value <= n_walkers:
         raise CallError(
             message(

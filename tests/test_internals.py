@@ -29,19 +29,28 @@ ROOT = Path(__file__).resolve().parents[1]
 # ---------------------------------------------------------------- the current mesh
 
 
-def test_get_concrete_mesh_is_jax_private_getter_and_reads_set_mesh():
-    from jax._src.mesh import get_concrete_mesh
+def test_context_mesh_is_jax_private_state_and_reads_set_mesh():
+    import jax._src.mesh as jax_mesh
 
-    assert _internals.get_concrete_mesh is get_concrete_mesh  # not the public fallback
+    private = getattr(jax_mesh, "device_context", None) or jax._src.config.device_context
+    assert _internals.CONTEXT_MESH is private  # not the public fallback
+    assert _internals.NO_CONTEXT_MESH is jax_mesh.empty_concrete_mesh
     mesh = sv.create_mesh(jax.devices()[:2])
-    outside = _internals.get_concrete_mesh()
-    assert outside is None or outside.empty
+    outside = _internals.CONTEXT_MESH.value
+    assert any(outside is none for none in (None, _internals.NO_CONTEXT_MESH))  # the engine tests by identity
     with jax.set_mesh(mesh):
-        assert _internals.get_concrete_mesh() == mesh
+        assert _internals.CONTEXT_MESH.value == mesh
         # and while tracing, where the public jax.sharding.get_mesh refuses
         seen = []
-        jax.jit(lambda x: seen.append(_internals.get_concrete_mesh()) or x)(jnp.ones(2))
+        jax.jit(lambda x: seen.append(_internals.CONTEXT_MESH.value) or x)(jnp.ones(2))
         assert seen == [mesh]
+    jax.sharding.set_mesh(mesh)  # the global spelling (NetKet's, at import) sets the same state
+    try:
+        assert _internals.CONTEXT_MESH.value == mesh
+    finally:
+        jax.sharding.set_mesh(None)
+    after = _internals.CONTEXT_MESH.value
+    assert any(after is none for none in (None, _internals.NO_CONTEXT_MESH))
 
 
 def test_tracing_is_jax_trace_state_and_sees_every_transform():
