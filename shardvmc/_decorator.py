@@ -452,8 +452,8 @@ class WalkerParallel:
         """``n_valid=`` as the program takes it: checked and traced (an int32 scalar), or dropped for a WalkerSet.
 
         A concrete count is checked here, against the walker count of the arguments; a traced
-        one (inside the caller's jit) is taken as it is. On the per-call path: a Python int
-        costs about 0.3 us here.
+        one (inside the caller's jit) is taken as it is. On the per-call path, so a Python int
+        (the usual count) is checked without NumPy and converted once per value.
         """
         if isinstance(n_valid, Tracer):
             return n_valid

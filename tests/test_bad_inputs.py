@@ -265,6 +265,8 @@ CATALOGUE = [
         ("energy", "n_valid=9", "outside 1..8", "omit n_valid")),
     Bad("n_valid that is not an integer", lambda: energy(ONE, R8, n_valid=2.5), sv.CallError,
         ("energy", "n_valid", "float", "integer")),
+    Bad("n_valid that is a bool", lambda: energy(ONE, R8, n_valid=True), sv.CallError,
+        ("energy", "n_valid", "bool", "integer")),
     Bad("n_valid that is an array of counts", lambda: energy(ONE, R8, n_valid=jnp.array([4, 4])), sv.CallError,
         ("energy", "n_valid", "int32[2]", "integer scalar array")),
     Bad("mesh without the walker axis",

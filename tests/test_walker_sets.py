@@ -106,6 +106,20 @@ def test_n_valid_numpy_scalars_are_accepted_everywhere():
         assert float(r2(x[:, None], n_valid=n)) == pytest.approx(5.0 / 3.0)
 
 
+def test_n_valid_of_any_integer_type_runs_one_program():
+    traces = []
+
+    @sv.walker_parallel
+    def f(r: sv.PerWalker[jax.Array]) -> sv.Mean[jax.Array]:
+        traces.append(1)
+        return jnp.sum(r**2)
+
+    x = jnp.arange(8.0)[:, None]
+    values = [float(f(x, n_valid=n)) for n in (3, np.int64(3), np.array(3), jnp.array(3), 3, 4)]
+    assert values == pytest.approx([5.0 / 3.0] * 5 + [14.0 / 4.0])
+    assert len(traces) == 1  # a Python int and integer arrays give the program the same int32 count
+
+
 def test_padding_warning_names_the_walker_set_fix():
     with pytest.warns(sv.PaddingWarning, match="sv.WalkerSet"):
         r2(jnp.ones((10, 3)))
