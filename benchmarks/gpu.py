@@ -12,7 +12,7 @@ median over repetitions [quartiles]), all in ONE table:
   Slater-Jastrow local energy of ``run.py`` at 16,384 walkers.
 - **2, dispatch**: ``run.py``'s small-kernel call overhead (``sections.call_overhead``:
   decorated / jitted hand-written, each call waited for and calls queued, and the
-  calibration row).
+  calibration rows), in 10 x ``--reps`` pairs of blocks of 40 calls.
 - **9, natural gradient**: each solver of ``sv.natural_gradient`` (dense, minsr, spring,
   cg) under ``jax.jit`` / a hand-written ``jax.jit`` jnp solve of the same system, at
   the neural example's size (N = 512, P = 4,753, float64) and at N = 16,384, P = 10^5
@@ -85,8 +85,9 @@ class Sizes:
     neural_quick: bool
     neural_steps: tuple[str, ...]
     tiny_walkers: int | None
-    tiny_calls: int | None
+    tiny_calls: int
     reps: int
+    dispatch_reps: int  # section 2's pairs of blocks (its blocks are short, so it takes more of them)
     row_seconds: float
     budget: float
 
@@ -108,6 +109,7 @@ def sizes_for(args: argparse.Namespace, smoke: bool) -> Sizes:
             tiny_walkers=16,
             tiny_calls=5,
             reps=3,
+            dispatch_reps=3,
             row_seconds=5.0,
             budget=300.0,
         )
@@ -121,13 +123,17 @@ def sizes_for(args: argparse.Namespace, smoke: bool) -> Sizes:
             neural_walkers=counts(args.neural_walkers, [4096, 16384]),
             neural_quick=False,
             neural_steps=("optimisation", "evaluation"),
-            tiny_walkers=None,  # run.py's defaults (sections.Config)
-            tiny_calls=None,
+            tiny_walkers=None,  # run.py's default (sections.Config)
+            # Section 2 in short blocks (10 x --reps pairs of 40 calls): on fake CPU devices such runs agreed
+            # within 0.04, against 0.12 with 21 blocks of 200 calls (benchmarks/RESULTS.md).
+            tiny_calls=40,
             reps=21,
+            dispatch_reps=0,  # set below from --reps
             row_seconds=25.0,
             budget=420.0,
         )
     sizes.reps = args.reps or sizes.reps
+    sizes.dispatch_reps = sizes.dispatch_reps or 10 * sizes.reps
     sizes.row_seconds = args.row_seconds or sizes.row_seconds
     sizes.budget = args.budget or sizes.budget
     return sizes
@@ -263,9 +269,9 @@ def dispatch_rows(guard: Guard, mesh: Any, sizes: Sizes) -> None:
     import sections
     import system
 
-    options: dict[str, Any] = {"reps": sizes.reps}
+    options: dict[str, Any] = {"reps": sizes.dispatch_reps, "tiny_calls": sizes.tiny_calls}
     if sizes.tiny_walkers is not None:
-        options.update(tiny_walkers=sizes.tiny_walkers, tiny_calls=sizes.tiny_calls)
+        options.update(tiny_walkers=sizes.tiny_walkers)
     cfg = sections.Config(system=system.HE, mesh=mesh, **options)
     guard.row(
         2, f"dispatch of a small kernel ({cfg.tiny_walkers} walkers)", lambda: sections.call_overhead(cfg, guard.report)
