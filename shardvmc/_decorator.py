@@ -329,7 +329,7 @@ class WalkerParallel:
         # of other devices, whether the call is traced: kept per those, so a repeated call skips call_mesh.
         context = CONTEXT_MESH.value
         chosen = self._mesh if self._mesh is not None else CHOSEN_MESH.get()
-        if context is None or context is NO_CONTEXT_MESH or context.empty:
+        if context is None or context is NO_CONTEXT_MESH or context.empty:  # _compat.context_mesh(), inlined
             key = chosen
         else:
             key = (chosen, context, tracing())

@@ -58,9 +58,11 @@ class _PublicContextMesh:  # pragma: no cover - another JAX layout: the public g
 
 
 def _context_mesh_state() -> tuple[_ContextMeshState, Mesh | None]:
-    from jax._src import config as jax_config
-    from jax._src import mesh as jax_mesh
-
+    try:
+        from jax._src import config as jax_config
+        from jax._src import mesh as jax_mesh
+    except ImportError:  # pragma: no cover - another JAX layout
+        return _PublicContextMesh(), None
     # JAX 0.11+ keeps the state in jax._src.mesh, JAX 0.10 in jax._src.config.
     state = getattr(jax_mesh, "device_context", None) or getattr(jax_config, "device_context", None)
     if state is None:  # pragma: no cover - another JAX layout
