@@ -252,7 +252,9 @@ def _checksum_of(value: Any, kind: str) -> Any:
     if kind == "numpy":
         return _checksum.host_checksum(value)
     device = value if isinstance(value, jax.Array) else jnp.asarray(value)  # (a JAX dtype: _prepare converted it)
-    sums = _checksum.row_checksums(device) if kind == "walker" else _checksum.checksum(device)
+    if kind != "walker":  # computed on one device holding a copy: stored as host data, written once
+        return np.asarray(_checksum.checksum(device))
+    sums = _checksum.row_checksums(device)  # sharded as the rows: each process writes its rows' checksums
     return sums if isinstance(value, jax.Array) else np.asarray(sums)
 
 
