@@ -18,7 +18,7 @@ of the whole state (computing them; checking the arrays read against them), meas
 the same repetitions: a save or restore without checksums takes that much less.
 
 ``steps``: the optimisation step of ``examples/neural_vmc.py`` (FermiNet-style network,
-folx Laplacian, natural gradient by CG on CPU as the example's command line picks;
+folx Laplacian, natural gradient by minSR, the example's default, or ``--optimiser``;
 imported from the example by file path) in
 blocks of 20 steps, with a ``sv.Checkpointer`` save of the whole state every 10 steps
 and without, the two blocks interleaved (the order reversed every other repetition);
