@@ -165,7 +165,9 @@ class CSVLog:
             self._columns = ["step", *stats]
             self._writer.writerow(self._columns)
         row = {"step": step, **stats}
-        self._writer.writerow([repr(row[c]) if isinstance(row.get(c), float) else row.get(c, "") for c in self._columns])
+        self._writer.writerow(
+            [repr(row[c]) if isinstance(row.get(c), float) else row.get(c, "") for c in self._columns]
+        )
 
     def flush(self) -> None:
         if self._file is not None:

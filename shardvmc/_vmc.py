@@ -11,6 +11,7 @@ parameters through the same loop and returns ``sv.Stats`` of an observable over 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable
 from typing import IO, Any, NamedTuple
@@ -24,6 +25,7 @@ from ._driver import run
 from ._errors import CallError, message
 from ._markers import Mean, PerWalker, Replicated
 from ._mcstats import Stats, StatsAccumulator
+from ._mesh import use_mesh
 from ._placement import replicate
 from ._reductions import walker_mean
 from ._walkerset import WalkerSet
@@ -79,7 +81,8 @@ class VMC:
         local_energy: the local energy, ``local_energy(params, r)`` of one walker or a
             walker-parallel kernel; default ``sv.hamiltonian.local_energy(log_psi, potential)``.
         sampler: default ``sv.mcmc.Metropolis(log_psi, mesh=mesh, batch_size=batch_size)``.
-        mesh: the measurement's mesh (``None``: resolved at each call, as a kernel's).
+        mesh: the mesh of the step's kernels and optimiser (``None``: resolved at each call, as a kernel's:
+            the ``sv.use_mesh`` mesh, else all devices).
         batch_size: the measurement's walkers per device at a time (and the default sampler's).
 
     Raises:
@@ -162,13 +165,19 @@ class VMC:
         return VMCState(params, opt, self.sampler.init(params, walkers, width))
 
     def _step(self, state: VMCState, key: jax.Array) -> tuple[VMCState, dict[str, jax.Array]]:
+        # mesh=: every kernel of the step (the optimiser's too) computes there, as under sv.use_mesh(mesh)
+        with contextlib.nullcontext() if self.mesh is None else use_mesh(self.mesh):
+            return self._traced_step(state, key)
+
+    def _traced_step(self, state: VMCState, key: jax.Array) -> tuple[VMCState, dict[str, jax.Array]]:
         optax = _optax()
         assert self.sampler is not None
         params = state.params
         sampler = self.sampler.step(params, state.sampler, key)
         e, j, e_mean, e2_mean = self.measure(params, sampler.walkers)
         # The energy gradient as the updates: unused (and so not computed) by the natural gradient.
-        gradient = jax.tree_util.tree_map(lambda g: 2 * g, _weighted_mean(j, WalkerSet(e.data - e_mean, e.n_valid)))
+        centred = WalkerSet(e.data - e_mean, e.n_valid)
+        gradient = jax.tree_util.tree_map(lambda g: 2 * g, _weighted_mean(j, centred, self.mesh))
         updates, opt = self._update(gradient, state.opt, params, jacobian=j, local_energies=e)
         variance = e2_mean - e_mean**2
         stats = {
@@ -203,10 +212,10 @@ class VMC:
         return expect(self.sampler, observable, state.params, state.sampler, n_steps, key=key, progress=progress)
 
 
-def _weighted_mean(j: Any, e: WalkerSet) -> Any:
+def _weighted_mean(j: Any, e: WalkerSet, mesh: Mesh | None) -> Any:
     """``<j e>`` over the valid walkers, for ``j`` a ``WalkerSet`` of per-walker pytrees and ``e`` per walker."""
     products = jax.tree_util.tree_map(lambda x: x * e.data.reshape(e.data.shape + (1,) * (x.ndim - 1)), j.data)
-    return walker_mean(WalkerSet(products, e.n_valid))
+    return walker_mean(WalkerSet(products, e.n_valid), mesh=mesh)
 
 
 def expect(
@@ -254,8 +263,8 @@ def expect(
         >>> bool(abs(r2.mean - 3.0) < 5 * r2.error_of_mean)  # <r^2> = 3 for a 3-D standard normal
         True
     """
-    fixed = sampler.with_options(adapt_rate=0.0)
-    kernel = observable if isinstance(observable, WalkerParallel) else _per_walker(observable)
+    fixed, mesh = sampler.with_options(adapt_rate=0.0), sampler.mesh
+    kernel = observable if isinstance(observable, WalkerParallel) else _per_walker(observable, mesh)
     walkers = fixed.evaluate(params, state.walkers)  # the cache for these parameters: no refresh in the steps
     first = jax.eval_shape(kernel, params, walkers)
     data = first.data if isinstance(first, WalkerSet) else first
@@ -270,25 +279,30 @@ def expect(
         )
     like = WalkerSet(walkers.data.log_psi.astype(data.dtype), walkers.n_valid)
     carry = (params, state._replace(walkers=walkers), StatsAccumulator.create(like, max_blocks=max_blocks))
-    result = run(_evaluation(fixed, kernel), carry, n_steps, key=key, out=None, callbacks=(), progress=progress)
-    return result.state[2].statistics()
+    evaluation = _evaluation(fixed, kernel, mesh)
+    result = run(evaluation, carry, n_steps, key=key, out=None, callbacks=(), progress=progress)
+    return result.state[2].statistics(mesh=mesh)
 
 
-def _per_walker(observable: Callable[..., Any]) -> WalkerParallel:
+def _per_walker(observable: Callable[..., Any], mesh: Mesh | None) -> WalkerParallel:
     def value(params: Replicated[Any], w: PerWalker[Any]) -> PerWalker[jax.Array]:
         return observable(params, w.r if isinstance(w, Walker) else w)
 
     value.__qualname__ = getattr(observable, "__qualname__", "observable")
-    return walker_parallel(value)
+    return walker_parallel(value, mesh=mesh)
 
 
-def _evaluation(sampler: Metropolis, observable: WalkerParallel) -> Callable[..., Any]:
+def _evaluation(sampler: Metropolis, observable: WalkerParallel, mesh: Mesh | None) -> Callable[..., Any]:
     @jax.jit
     def evaluate(carry: Any, key: jax.Array) -> tuple[Any, dict[str, jax.Array]]:
+        with contextlib.nullcontext() if mesh is None else use_mesh(mesh):
+            return evaluate_on_mesh(carry, key)
+
+    def evaluate_on_mesh(carry: Any, key: jax.Array) -> tuple[Any, dict[str, jax.Array]]:
         params, state, acc = carry
         state = sampler.step(params, state, key, refresh=False)
         values = observable(params, state.walkers)
-        mean, mean2 = walker_mean((values.data, jnp.abs(values.data) ** 2), values.n_valid)
+        mean, mean2 = walker_mean((values.data, jnp.abs(values.data) ** 2), values.n_valid, mesh=mesh)
         variance = mean2 - jnp.abs(mean) ** 2
         stats = {"mean": jnp.real(mean), "error": jnp.sqrt(variance / values.n_valid), "acceptance": state.acceptance}
         return (params, state, acc.update(values)), stats
