@@ -1,4 +1,4 @@
-"""Callbacks of :func:`shardvmc.driver.run`: stop a run on a non-finite statistic, on a time limit, or on your condition.
+"""Callbacks of :func:`shardvmc.driver.run`: stop a run on a non-finite statistic, a time limit, or your condition.
 
 A callback is any callable ``callback(step, stats)`` (the :class:`Callback` protocol): ``step`` is the index of
 the step just done (from 0), ``stats`` its statistics as Python floats (the step's own, and ``step_time``). A

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import json
 import math
 import os
 import sys
@@ -152,7 +153,9 @@ def _read(step: int, stats: Any) -> dict[str, float]:
             fix='return e.g. (state, {"energy": e_mean, "variance": e_var}) from the jitted step.',
         )
     values = {}
-    for name, value in stats.items():
+    # energy (or mean) and its error first, the rest by name: jax.jit returns a dict's keys sorted anyway
+    for name in sorted(stats, key=lambda k: (k not in ("energy", "mean"), k != "error", str(k))):
+        value = stats[name]
         array = np.asarray(_host(value))
         if array.shape != () or array.dtype.kind not in "biuf" or not isinstance(name, str):
             raise _error(
@@ -225,10 +228,9 @@ class _Loop:
 
 
 def _loggers(out: Any, directory: Path | None) -> list[Logger]:
-    if out is _DEFAULT:
-        return [] if directory is None else [JsonLog(directory / "log.jsonl")]
+    own: list[Logger] = [] if directory is None else [JsonLog(directory / "log.jsonl")]
     if out is None:
-        return []
+        return own
     if isinstance(out, (str, os.PathLike)):
         return [JsonLog(out)]
     loggers = [out] if not isinstance(out, Iterable) else list(out)
@@ -240,7 +242,7 @@ def _loggers(out: Any, directory: Path | None) -> list[Logger]:
                 expected="objects with open(start, total), write(step, stats), flush() and close()",
                 fix="pass e.g. out=[sv.driver.JsonLog(path), sv.driver.CSVLog(path2)].",
             )
-    return loggers
+    return own + loggers
 
 
 def run(
@@ -253,8 +255,9 @@ def run(
     checkpoint_every: int | None = 100,
     checkpoint_seconds: float | None = None,
     keep: int | None = 3,
-    out: Any = _DEFAULT,
+    out: Any = None,
     callbacks: Any = _DEFAULT,
+    metadata: Mapping[str, Any] | None = None,
     progress: bool | IO[str] | None = None,
     description: str = "",
     on_preemption: str = "exit",
@@ -286,14 +289,16 @@ def run(
             on a resume, the structure to restore into.
         n_steps: the run's number of steps (a resumed run ends there too).
         key: ONE PRNG key; step ``t`` gets ``jax.random.fold_in(key, t)``.
-        checkpoint: a directory for checkpoints (``DIR/state``) and the default log (``DIR/log.jsonl``).
+        checkpoint: a directory for checkpoints (``DIR/state``) and the run's log (``DIR/log.jsonl``, a
+            :class:`JsonLog`, written on process 0 besides the loggers of ``out``).
         checkpoint_every: save every this many steps (``None``: not by step count).
         checkpoint_seconds: also save once this many seconds have passed since the last save.
         keep: the checkpoints kept (``None``: all).
-        out: loggers: a path (a :class:`JsonLog` there), a logger, a sequence of them, or
-            ``None``; default: ``JsonLog(DIR/log.jsonl)`` with a checkpoint, else none.
+        out: loggers: a path (a :class:`JsonLog` there), a logger, or a sequence of them.
         callbacks: a callback or a sequence of them (see :class:`Callback`); default
             ``(StopOnNonFinite(),)``; ``()`` for none.
+        metadata: JSON data saved with every checkpoint (the run's settings, say): a resume
+            refuses a checkpoint whose metadata differs, naming the keys.
         progress: a tqdm progress bar (``pip install "shardvmc[progress]"``): ``True`` on standard
             error, a file object to write it there, ``False`` for none; ``None`` (default): on
             standard error when it is a terminal and tqdm is installed.
@@ -338,6 +343,10 @@ def run(
     loggers = _loggers(out, directory)
     lead = jax.process_index() == 0
 
+    try:
+        user = json.loads(json.dumps(dict(metadata or {})))  # as a checkpoint gives it back
+    except (TypeError, ValueError) as err:
+        raise _error("metadata must be JSON data (numbers, strings, lists, dicts).", got=str(err)) from None
     saves = None if directory is None else Checkpointer(directory / "state", keep=keep)
     start, restored_rows, resumed = 0, {}, None
     try:
@@ -361,7 +370,18 @@ def run(
                         f"{str(directory)!r} holds step {start}, beyond n_steps={n_steps}.",
                         fix=f"pass n_steps >= {start} to go on, or another checkpoint directory.",
                     )
+                saved_user = meta.get("user", {})
+                differ = sorted(k for k in set(saved_user) | set(user) if saved_user.get(k) != user.get(k))
+                if differ:
+                    raise _error(
+                        f"{str(directory)!r} holds a run of other settings: {', '.join(map(str, differ))}.",
+                        got=", ".join(f"{k}={user.get(k)!r}" for k in differ),
+                        expected=", ".join(f"{k}={saved_user.get(k)!r}" for k in differ),
+                        fix="run with the checkpoint's settings, or use another checkpoint directory for a new run.",
+                    )
                 state, restored_rows = saved["state"], meta["history"]
+                if lead:
+                    print(f"{_WHERE}: resumed from {str(directory)!r} at step {start}", file=sys.stderr)
         if lead:
             for logger in loggers:
                 logger.open(start, n_steps)
@@ -397,7 +417,8 @@ def run(
                     loop.process(run_callbacks=False)
                 if saves is not None and (due or stop_flag) and stop_save:
                     history = _history(restored_rows, loop.rows)
-                    saves.save(done, {"state": state, "key": key}, metadata={"step": done, "history": history})
+                    meta = {"step": done, "history": history, "user": user}
+                    saves.save(done, {"state": state, "key": key}, metadata=meta)
                     loop.flush()
                     last_save, timed = time.monotonic(), False
                 if preempted or stop_flag:
@@ -421,8 +442,9 @@ def run(
     result = RunResult(state, start + len(loop.rows), history, status, reason, resumed, time.perf_counter() - started)
     if result.preempted and on_preemption == "exit":
         if lead:
-            print(f"{_WHERE}: {reason}; saved to {str(directory)!r}, exiting with "
-                  f"{distributed.PREEMPTED_EXIT_CODE}: run the same command again to resume", file=sys.stderr)  # fmt: skip
+            code = distributed.PREEMPTED_EXIT_CODE
+            print(f"{_WHERE}: {reason}; saved to {str(directory)!r}, exiting with {code}: run the same command "
+                  "again to resume", file=sys.stderr)  # fmt: skip
         sys.exit(distributed.PREEMPTED_EXIT_CODE)
     return result
 

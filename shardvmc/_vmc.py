@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 
+from ._caches import bounded
 from ._decorator import WalkerParallel, walker_parallel
 from ._driver import run
 from ._errors import CallError, message
@@ -125,8 +126,8 @@ class VMC:
                     where,
                     "optimiser must be an optax transformation (init, update).",
                     got=repr(self.optimiser),
-                    fix="pass e.g. optax.chain(svx.natural_gradient(damping=1e-3), optax.scale_by_learning_rate(0.05)); "
-                    "for shardvmc.kfac.Optimizer write the step yourself (see docs/driver.md).",
+                    fix="pass e.g. optax.chain(svx.natural_gradient(damping=1e-3), optax.scale_by_learning_rate(0.05))"
+                    "; for shardvmc.kfac.Optimizer write the step yourself (see docs/driver.md).",
                 )
             )
         options = {"mesh": self.mesh, "batch_size": self.batch_size}
@@ -202,7 +203,8 @@ class VMC:
         Example:
             >>> import jax, jax.numpy as jnp, optax, shardvmc as sv
             >>> vmc = sv.driver.VMC(lambda a, r: -a * jnp.sum(r**2), optax.sgd(0.1), lambda r: 0.5 * jnp.sum(r**2))
-            >>> walkers = sv.initialize_walkers_sharded(lambda k: jax.random.normal(k, (1, 3)), 64, key=jax.random.key(0))
+            >>> walkers = sv.initialize_walkers_sharded(lambda k: jax.random.normal(k, (1, 3)), 64,
+            ...                                         key=jax.random.key(0))
             >>> energy = vmc.expect(vmc.init(jnp.float32(0.5), walkers), 10, key=jax.random.key(1))
             >>> round(float(energy.mean), 4), float(energy.error_of_mean) < 1e-5  # the exact ground state
             (1.5, True)
@@ -238,7 +240,8 @@ def expect(
     :class:`~shardvmc.StatsAccumulator` on the devices. The error bar accounts for each
     walker's autocorrelation along its chain (``sv.statistics``' estimator). It runs through
     :func:`shardvmc.driver.run` (step ``t`` gets ``fold_in(key, t)``; a progress bar shows
-    ``mean ± error`` of each step), without callbacks or checkpoints.
+    ``mean ± error`` of each step), without callbacks or checkpoints. Its programs are kept
+    per ``sampler`` and ``observable`` (the same objects: the same compiled evaluation).
 
     Args:
         sampler: the sampler (a :class:`shardvmc.mcmc.Metropolis`).
@@ -263,8 +266,7 @@ def expect(
         >>> bool(abs(r2.mean - 3.0) < 5 * r2.error_of_mean)  # <r^2> = 3 for a 3-D standard normal
         True
     """
-    fixed, mesh = sampler.with_options(adapt_rate=0.0), sampler.mesh
-    kernel = observable if isinstance(observable, WalkerParallel) else _per_walker(observable, mesh)
+    fixed, kernel, evaluation = _programs(sampler, observable)
     walkers = fixed.evaluate(params, state.walkers)  # the cache for these parameters: no refresh in the steps
     first = jax.eval_shape(kernel, params, walkers)
     data = first.data if isinstance(first, WalkerSet) else first
@@ -279,9 +281,16 @@ def expect(
         )
     like = WalkerSet(walkers.data.log_psi.astype(data.dtype), walkers.n_valid)
     carry = (params, state._replace(walkers=walkers), StatsAccumulator.create(like, max_blocks=max_blocks))
-    evaluation = _evaluation(fixed, kernel, mesh)
     result = run(evaluation, carry, n_steps, key=key, out=None, callbacks=(), progress=progress)
-    return result.state[2].statistics(mesh=mesh)
+    return result.state[2].statistics(mesh=sampler.mesh)
+
+
+@bounded(32)  # one compilation per sampler and observable, whatever the number of calls
+def _programs(sampler: Metropolis, observable: Callable[..., Any]) -> tuple[Metropolis, WalkerParallel, Any]:
+    """The sampler at a fixed width, the observable as a kernel, and the jitted evaluation step."""
+    fixed, mesh = sampler.with_options(adapt_rate=0.0), sampler.mesh
+    kernel = observable if isinstance(observable, WalkerParallel) else _per_walker(observable, mesh)
+    return fixed, kernel, _evaluation(fixed, kernel, mesh)
 
 
 def _per_walker(observable: Callable[..., Any], mesh: Mesh | None) -> WalkerParallel:
