@@ -288,7 +288,8 @@ def expect(
 @bounded(32)  # one compilation per sampler and observable, whatever the number of calls
 def _programs(sampler: Metropolis, observable: Callable[..., Any]) -> tuple[Metropolis, WalkerParallel, Any]:
     """The sampler at a fixed width, the observable as a kernel, and the jitted evaluation step."""
-    fixed, mesh = sampler.with_options(adapt_rate=0.0), sampler.mesh
+    fixed = sampler if sampler.adapt_rate == 0 else sampler.with_options(adapt_rate=0.0)
+    mesh = sampler.mesh
     kernel = observable if isinstance(observable, WalkerParallel) else _per_walker(observable, mesh)
     return fixed, kernel, _evaluation(fixed, kernel, mesh)
 
