@@ -1,9 +1,4 @@
-"""The examples' command line: devices, options, the JSON summary and the plot. Nothing about the physics.
-
-Progress, logs, checkpoints and resume are ``sv.driver.run``'s. Copy this file beside the example you copy.
-"""
-
-from __future__ import annotations
+"""The examples' command line (devices, options, the summary and its plot); progress and checkpoints are sv.driver's."""
 
 import argparse
 import dataclasses
@@ -11,22 +6,19 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
+import jax
+
 import shardvmc as sv
 import shardvmc.testing
 
 
 def start(devices: int) -> Any:
-    """The mesh: ``devices`` fake CPU devices without an accelerator, else every device (of every launched process).
-
-    Call it before any JAX array exists: ``set_cpu_devices`` edits ``XLA_FLAGS``.
-    """
+    """The mesh: ``devices`` fake CPU devices without an accelerator, else every device (of every launched process)."""
     try:
-        sv.testing.set_cpu_devices(devices)
+        sv.testing.set_cpu_devices(devices)  # edits XLA_FLAGS: before JAX's backend starts
     except RuntimeError:  # JAX has started already (a notebook, a test): the devices it has
         pass
-    import jax
-
-    if sv.distributed.is_launched():
+    if sv.distributed.is_launched():  # under python -m shardvmc.launch: join the other processes first
         sv.distributed.initialize()
     chosen = jax.devices()
     return sv.create_mesh(chosen[:devices] if chosen[0].platform == "cpu" and jax.process_count() == 1 else chosen)
@@ -34,16 +26,14 @@ def start(devices: int) -> Any:
 
 def parse_args(argv: Sequence[str] | None, config: type, description: str, *, quick: dict[str, Any] | None = None,
                choices: dict[str, Any] | None = None) -> tuple[argparse.Namespace, Any]:  # fmt: skip
-    """``(args, config)``: an option per field of the dataclass ``config`` (``--float32`` for ``x64``), ``--quick``
-    (the defaults updated with ``quick``), and the options every example has."""
+    """``(args, config)``: an option per field of the dataclass ``config``, ``--quick`` (``quick``'s settings), more."""
     p = argparse.ArgumentParser(description=description.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     fields = [f for f in dataclasses.fields(config) if f.name != "x64"]
     for f in fields:
         kind = {"int": int, "float": float, "str": str, "int | None": int}[str(f.type)]
         p.add_argument(f"--{f.name.replace('_', '-')}", type=kind, choices=(choices or {}).get(f.name),
                        help=f"(default {f.default})")  # fmt: skip
-    if quick:
-        p.add_argument("--quick", action="store_true", help="a few steps of a tiny network (a smoke test)")
+    p.add_argument("--quick", action="store_true", help="a few steps of a small run (a smoke test)")
     p.add_argument("--float32", action="store_true", help="compute in float32")
     p.add_argument("--devices", type=int, default=8, help="fake CPU devices when there is no accelerator (the first "
                    "N when XLA_FLAGS sets a count);\nignored on accelerators and under shardvmc.launch")  # fmt: skip
@@ -53,15 +43,13 @@ def parse_args(argv: Sequence[str] | None, config: type, description: str, *, qu
     p.add_argument("--json", metavar="PATH", help="write the summary here")
     p.add_argument("--plot", metavar="PNG", help="plot the energy per step (needs matplotlib)")
     args = p.parse_args(argv)
-    values = dict(quick) if getattr(args, "quick", False) else {}
+    values = dict(quick or {}) if args.quick else {}
     values.update({f.name: getattr(args, f.name) for f in fields if getattr(args, f.name) is not None})
     return args, config(**values, x64=not args.float32)
 
 
 def finish(args: argparse.Namespace, summary: dict[str, Any], title: str) -> None:
     """``--json``: the summary; ``--plot``: the energy per step, the evaluation's estimate, the exact and HF lines."""
-    import jax
-
     if jax.process_index() != 0:  # only process 0 writes
         return
     if args.json:
@@ -72,13 +60,11 @@ def finish(args: argparse.Namespace, summary: dict[str, Any], title: str) -> Non
 
         fig, ax = plt.subplots(figsize=(7, 4))
         ax.plot(range(1, len(summary["energies"]) + 1), summary["energies"], lw=0.6, label="E per step")
-        if summary.get("energy") is not None:
-            ax.axhline(summary["energy"], color="g", label=f"evaluation {summary['energy']:.5f}")
-        ax.axhline(summary["exact"], color="k", ls="--", label=f"exact {summary['exact']}")
-        if summary.get("hf") is not None:
-            ax.axhline(summary["hf"], color="r", ls=":", label=f"Hartree-Fock {summary['hf']}")
-        low = min([summary["exact"]] + [e for e in summary["energies"][len(summary["energies"]) // 10 :] if e == e])
-        ax.set_ylim(low - 0.01, max(summary.get("hf") or summary["exact"], summary["exact"]) + 0.05)
-        ax.set(xlabel="step", ylabel="energy (Ha)", title=title)
+        for name, style in (("energy", "g-"), ("exact", "k--"), ("hf", "r:")):  # the evaluation, exact, Hartree-Fock
+            if summary.get(name) is not None:
+                ax.axhline(summary[name], color=style[0], ls=style[1:], label=f"{name} {summary[name]:.5f}")
+        tail = [e for e in summary["energies"][len(summary["energies"]) // 10 :] if e == e]  # no nan
+        top = max(summary.get("hf") or summary["exact"], summary["exact"]) + 0.05
+        ax.set(xlabel="step", ylabel="energy (Ha)", title=title, ylim=(min([summary["exact"], *tail]) - 0.01, top))
         ax.legend()
         fig.savefig(args.plot, dpi=120, bbox_inches="tight")
