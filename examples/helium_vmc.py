@@ -54,7 +54,7 @@ class Config:
 
     walkers: int = 16000  # any count: shardvmc pads it to the device count
     steps: int = 200  # optimisation steps: `sweeps` Metropolis moves, a measurement, an SR update
-    eval_steps: int = 100  # steps at fixed parameters whose local energies give the energy and its error bar
+    eval_steps: int | None = None  # steps at fixed parameters for the energy and its error bar (max(steps/2, 32))
     seed: int = 0
     batch_size: int | None = None  # walkers processed at a time per device (None: all at once)
     sweeps: int = 10  # Metropolis moves per step
@@ -217,9 +217,10 @@ def run(config: Config, mesh: Mesh | None = None, *, print_every: int = 0, check
                                checkpoint_every=checkpoint_every, out=lines, description="optimisation")  # fmt: skip
         params = result.state.params
         # Over walkers and steps: the error bar accounts for the autocorrelation along each walker's chain.
+        eval_steps = max(config.steps // 2, 32) if config.eval_steps is None else config.eval_steps
         estimate = None
-        if config.eval_steps:
-            estimate = sv.driver.expect(sampler, local_energy, params, result.state.walkers, config.eval_steps,
+        if eval_steps:
+            estimate = sv.driver.expect(sampler, local_energy, params, result.state.walkers, eval_steps,
                                         key=jax.random.fold_in(root, 2))  # fmt: skip
         alpha, beta = (float(v) for v in ravel_pytree(params)[0])
     # --8<-- [end:run]
@@ -236,6 +237,7 @@ def run(config: Config, mesh: Mesh | None = None, *, print_every: int = 0, check
         "platform": str(mesh.devices.flat[0].platform),
         "processes": int(jax.process_count()),
         **dataclasses.asdict(config),
+        "eval_steps": eval_steps,
         "dtype": "float64" if config.x64 else "float32",
         "seconds": time.perf_counter() - start,
         "energies": history["energy"].tolist(),
