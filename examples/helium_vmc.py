@@ -170,7 +170,7 @@ def make_step(
         updates, opt = optimiser.update(state.params, state.opt, state.params, jacobian=j, local_energies=e)
         params = optax.apply_updates(state.params, updates)
         params = params.replace(beta=jnp.maximum(params.beta, 0.05))  # no poles in the Jastrow
-        variance = e2_mean - e_mean**2
+        variance = jnp.maximum(e2_mean - e_mean**2, 0.0)  # not below 0 by round-off
         stats = {"energy": e_mean, "error": jnp.sqrt(variance / e.n_valid), "variance": variance,
                  "acceptance": walkers.acceptance}  # fmt: skip
         return State(params, opt, walkers), stats
@@ -189,7 +189,7 @@ def make_step(
 # --8<-- [start:run]
 def run(config: Config, mesh: Mesh | None = None, *, print_every: int = 0, checkpoint: str | None = None,
         checkpoint_every: int = 100) -> dict[str, Any]:  # fmt: skip
-    """Optimise the helium trial function by SR (``sv.driver.run``), then estimate its energy (``sv.driver.expect``).
+    """Optimise the trial function by SR (``sv.driver.run``), then estimate its energy (``sv.driver.expect``).
 
     Keys: the walkers start from ``fold_in(key(seed), 0)``; optimisation step ``t`` is
     ``fold_in(fold_in(key(seed), 1), t)`` (``sv.driver.run``'s), in which walker ``i`` moves
@@ -206,15 +206,17 @@ def run(config: Config, mesh: Mesh | None = None, *, print_every: int = 0, check
     root = jax.random.key(config.seed)
     with jax.enable_x64(config.x64), sv.use_mesh(mesh):
         # A WalkerSet: `walkers` real walkers, padded to the device count; every kernel reads the count.
-        positions = sv.initialize_walkers_sharded(init_walker, config.walkers, key=jax.random.fold_in(root, 0))
+        key = jax.random.fold_in(root, 0)
+        positions = sv.initialize_walkers_sharded(init_walker, config.walkers, key=key)
         params = sv.replicate(Params(alpha=jnp.asarray(1.6875), beta=jnp.asarray(1.0)))
         sv.distributed.check_consistent(params)  # every process starts from the same parameters
         sampler, optimiser, step = make_step(mesh, config.batch_size, config.sweeps, config.learning_rate,
                                              config.max_norm)  # fmt: skip
-        state = State(params, jax.jit(optimiser.init)(params), sampler.init(params, positions, config.step_size))
+        walkers = sampler.init(params, positions, config.step_size)
+        state = State(params, jax.jit(optimiser.init)(params), walkers)
         lines = sv.driver.PrintLog(print_every) if print_every else None
-        result = sv.driver.run(step, state, config.steps, key=jax.random.fold_in(root, 1), checkpoint=checkpoint,
-                               checkpoint_every=checkpoint_every, out=lines, description="optimisation")  # fmt: skip
+        result = sv.driver.run(step, state, config.steps, key=jax.random.fold_in(root, 1), out=lines,
+                               checkpoint=checkpoint, checkpoint_every=checkpoint_every)  # fmt: skip
         params = result.state.params
         # Over walkers and steps: the error bar accounts for the autocorrelation along each walker's chain.
         eval_steps = max(config.steps // 2, 32) if config.eval_steps is None else config.eval_steps

@@ -133,7 +133,7 @@ def energy_of(system: str) -> Callable[[Any, jax.Array], jax.Array]:
 
 def step_stats(e_mean: jax.Array, e2_mean: jax.Array, n: int, acceptance: jax.Array) -> dict[str, jax.Array]:
     """What a training step reports: the mean local energy, its error bar over the walkers, the variance, acceptance."""
-    variance = e2_mean - e_mean**2
+    variance = jnp.maximum(e2_mean - e_mean**2, 0.0)  # not below 0 by round-off
     return {"energy": e_mean, "error": jnp.sqrt(variance / n), "variance": variance, "acceptance": acceptance}
 
 
@@ -186,11 +186,11 @@ def initial_state(config: Config, mesh: Any, steps: Steps) -> State:
 def run(config: Config, mesh: Any, *, make: Callable[[Config, Any], Steps] = make_steps,
         checkpoint: str | None = None, checkpoint_every: int = 100, stop_after: int | None = None,
         print_every: int = 0) -> dict[str, Any]:  # fmt: skip
-    """Train for ``config.steps`` steps (the method ``make`` builds), evaluate for ``config.eval_steps``; a summary.
+    """Train for ``config.steps`` steps (the method ``make`` builds), evaluate ``config.eval_steps``; a summary.
 
-    ``checkpoint``: a directory to save in every ``checkpoint_every`` steps, at the end and on a preemption
-    notice (then the process exits with 75); the same call goes on from there, on any mesh. ``stop_after``:
-    end the training there (a checkpoint is saved), to go on later.
+    ``checkpoint``: a directory to save in every ``checkpoint_every`` steps, at the end and on a
+    preemption notice (then the process exits with 75); the same call goes on from there, on any
+    mesh. ``stop_after``: end the training there (a checkpoint is saved), to go on later.
     """
     start_time, root = time.perf_counter(), jax.random.key(config.seed)
     with jax.enable_x64(config.x64), sv.use_mesh(mesh):
@@ -198,12 +198,11 @@ def run(config: Config, mesh: Any, *, make: Callable[[Config, Any], Steps] = mak
         state = initial_state(config, mesh, steps)
         sv.distributed.check_consistent(state.params)  # every process holds the same parameters
         # A checkpoint of other settings is refused; the step counts and the batch size may change.
-        settings = {k: v for k, v in dataclasses.asdict(config).items() if k not in ("steps", "eval_steps",
-                                                                                     "batch_size")}  # fmt: skip
+        settings = dataclasses.asdict(dataclasses.replace(config, steps=0, eval_steps=0, batch_size=None))
         n = config.steps if stop_after is None else min(config.steps, stop_after)
-        result = sv.driver.run(steps.train, state, n, key=jax.random.fold_in(root, 1), checkpoint=checkpoint,
-                               checkpoint_every=checkpoint_every, metadata=settings, description=config.optimiser,
-                               out=[sv.driver.PrintLog(print_every)] if print_every else None)  # fmt: skip
+        lines = sv.driver.PrintLog(print_every) if print_every else None
+        result = sv.driver.run(steps.train, state, n, key=jax.random.fold_in(root, 1), out=lines,
+                               checkpoint=checkpoint, checkpoint_every=checkpoint_every, metadata=settings)  # fmt: skip
         estimate = None
         if result.status == "finished" and n == config.steps and config.eval_steps:
             sampler, params = make_sampler(config, mesh), result.state.params
@@ -211,7 +210,8 @@ def run(config: Config, mesh: Any, *, make: Callable[[Config, Any], Steps] = mak
                                         config.eval_steps, key=jax.random.fold_in(root, 2))  # fmt: skip
     n_params = sum(x.size for x in jax.tree.leaves(result.state.params))
     status = "finished" if result.status == "finished" and n == config.steps else "stopped"
-    return summarise(config, result.history, estimate, status, mesh, n_params, time.perf_counter() - start_time)
+    seconds = time.perf_counter() - start_time
+    return summarise(config, result.history, estimate, status, mesh, n_params, seconds)
 
 
 # --8<-- [end:run]

@@ -180,7 +180,7 @@ class VMC:
         centred = WalkerSet(e.data - e_mean, e.n_valid)
         gradient = jax.tree_util.tree_map(lambda g: 2 * g, _weighted_mean(j, centred, self.mesh))
         updates, opt = self._update(gradient, state.opt, params, jacobian=j, local_energies=e)
-        variance = e2_mean - e_mean**2
+        variance = jnp.maximum(e2_mean - e_mean**2, 0.0)  # round-off of an exact state must not give a nan error
         stats = {
             "energy": e_mean,
             "error": jnp.sqrt(variance / e.n_valid),
@@ -313,7 +313,7 @@ def _evaluation(sampler: Metropolis, observable: WalkerParallel, mesh: Mesh | No
         state = sampler.step(params, state, key, refresh=False)
         values = observable(params, state.walkers)
         mean, mean2 = walker_mean((values.data, jnp.abs(values.data) ** 2), values.n_valid, mesh=mesh)
-        variance = mean2 - jnp.abs(mean) ** 2
+        variance = jnp.maximum(mean2 - jnp.abs(mean) ** 2, 0.0)
         stats = {"mean": jnp.real(mean), "error": jnp.sqrt(variance / values.n_valid), "acceptance": state.acceptance}
         return (params, state, acc.update(values)), stats
 

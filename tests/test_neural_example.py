@@ -90,7 +90,7 @@ def test_checkpoint_holds_walkers_parameters_optimiser_state_and_statistics(runs
         assert ckpt.steps() == [2, 3]  # every 2 steps, and where the run stopped
         like = neural.initial_state(quick, mesh8, neural.make_steps(quick, mesh8))
         saved, meta = ckpt.restore({"state": like, "key": jax.random.key(0)}, mesh=mesh8)
-        assert meta["step"] == 3 and meta["user"]["clip"] == quick.clip and "steps" not in meta["user"]
+        assert meta["step"] == 3 and meta["user"]["clip"] == quick.clip and meta["user"]["steps"] == 0
         state = saved["state"]
         walkers = state.sampler.walkers
         assert isinstance(walkers, sv.WalkerSet) and walkers.n_valid == 61 and walkers.data.r.shape == (64, 3, 3)
