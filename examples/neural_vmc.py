@@ -186,7 +186,7 @@ def initial_state(config: Config, mesh: Any, steps: Steps) -> State:
 def run(config: Config, mesh: Any, *, make: Callable[[Config, Any], Steps] = make_steps,
         checkpoint: str | None = None, checkpoint_every: int = 100, stop_after: int | None = None,
         print_every: int = 0) -> dict[str, Any]:  # fmt: skip
-    """Train for ``config.steps`` steps (the method ``make`` builds), evaluate ``config.eval_steps``; a summary.
+    """Train ``config.steps`` steps (the method ``make`` builds), evaluate ``config.eval_steps``; a summary.
 
     ``checkpoint``: a directory to save in every ``checkpoint_every`` steps, at the end and on a
     preemption notice (then the process exits with 75); the same call goes on from there, on any
@@ -201,8 +201,8 @@ def run(config: Config, mesh: Any, *, make: Callable[[Config, Any], Steps] = mak
         settings = dataclasses.asdict(dataclasses.replace(config, steps=0, eval_steps=0, batch_size=None))
         n = config.steps if stop_after is None else min(config.steps, stop_after)
         lines = sv.driver.PrintLog(print_every) if print_every else None
-        result = sv.driver.run(steps.train, state, n, key=jax.random.fold_in(root, 1), out=lines,
-                               checkpoint=checkpoint, checkpoint_every=checkpoint_every, metadata=settings)  # fmt: skip
+        result = sv.driver.run(steps.train, state, n, key=jax.random.fold_in(root, 1), out=lines, metadata=settings,
+                               checkpoint=checkpoint, checkpoint_every=checkpoint_every)  # fmt: skip
         estimate = None
         if result.status == "finished" and n == config.steps and config.eval_steps:
             sampler, params = make_sampler(config, mesh), result.state.params
