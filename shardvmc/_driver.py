@@ -88,9 +88,7 @@ def _error(problem: str, *, got: str | None = None, expected: str | None = None,
     return CallError(message(_WHERE, problem, got=got, expected=expected, fix=fix))
 
 
-def _check_int(name: str, value: Any, low: int, allow_none: bool = False) -> int | None:
-    if value is None and allow_none:
-        return None
+def _check_int(name: str, value: Any, low: int, allow_none: bool = False) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
         raise _error(f"{name} must be an int >= {low}" + (" or None." if allow_none else "."), got=repr(value))
     return int(value)
@@ -327,9 +325,9 @@ def run(
     """
     started = time.perf_counter()
     n_steps = _check_int("n_steps", n_steps, 0)
-    checkpoint_every = _check_int("checkpoint_every", checkpoint_every, 1, allow_none=True)
+    if checkpoint_every is not None:
+        checkpoint_every = _check_int("checkpoint_every", checkpoint_every, 1, allow_none=True)
     ahead = _check_int("ahead", ahead, 0)
-    assert n_steps is not None and ahead is not None
     _check_key(key)
     if on_preemption not in ("exit", "return"):
         raise _error("on_preemption must be 'exit' or 'return'.", got=repr(on_preemption))
@@ -348,7 +346,7 @@ def run(
     except (TypeError, ValueError) as err:
         raise _error("metadata must be JSON data (numbers, strings, lists, dicts).", got=str(err)) from None
     saves = None if directory is None else Checkpointer(directory / "state", keep=keep)
-    start, restored_rows, resumed = 0, {}, None
+    start, restored_rows, resumed, meta = 0, {}, None, {}
     try:
         if saves is not None:
             restore_mesh, axis = (mesh, "walkers") if mesh is not None else _placement(state)

@@ -9,6 +9,7 @@ writes every step once), ``write(step, stats)`` after each step in order, ``flus
 from __future__ import annotations
 
 import csv
+import importlib
 import io
 import json
 import math
@@ -202,12 +203,12 @@ class TensorBoardLog:
 
     def open(self, start: int, total: int) -> None:
         try:
-            from tensorboardX import SummaryWriter
+            summary_writer = importlib.import_module("tensorboardX").SummaryWriter  # optional: the tensorboard extra
         except ImportError as err:
             raise ImportError(
                 f"sv.driver.TensorBoardLog writes through tensorboardX, which is not installed: {TENSORBOARD_INSTALL}"
             ) from err
-        self._writer = SummaryWriter(str(self.logdir), purge_step=start if start > 0 else None, **self.kwargs)
+        self._writer = summary_writer(str(self.logdir), purge_step=start if start > 0 else None, **self.kwargs)
 
     def write(self, step: int, stats: Mapping[str, float]) -> None:
         for name, value in stats.items():

@@ -136,6 +136,7 @@ class VMC:
         if self.local_energy is None:
             object.__setattr__(self, "local_energy", hamiltonian_local_energy(self.log_psi, self.potential))
         energy, log_psi = self.local_energy, self.log_psi
+        assert energy is not None
 
         def measure(
             params: Replicated[Any], w: PerWalker[Walker]
@@ -299,7 +300,7 @@ def _per_walker(observable: Callable[..., Any], mesh: Mesh | None) -> WalkerPara
         return observable(params, w.r if isinstance(w, Walker) else w)
 
     value.__qualname__ = getattr(observable, "__qualname__", "observable")
-    return walker_parallel(value, mesh=mesh)
+    return walker_parallel(mesh=mesh)(value)
 
 
 def _evaluation(sampler: Metropolis, observable: WalkerParallel, mesh: Mesh | None) -> Callable[..., Any]:
