@@ -11,7 +11,7 @@ callbacks. The schedule depends on step numbers only, so every process of a mult
 decides at the same steps.
 
 Checkpoints (``checkpoint=DIR``): a :class:`~shardvmc.Checkpointer` in ``DIR/state`` saves
-``{"state": state, "key": key}`` with the step count and every step's statistics (JSON metadata, exact floats)
+``{"state": state, "key": key data}`` with the step count and every step's statistics (JSON metadata, exact floats)
 every ``checkpoint_every`` steps, every ``checkpoint_seconds`` (process 0's clock decides; the save is at the
 next step), at the end, when a callback stops the run (unless it says not to), and at a preemption notice
 (:func:`shardvmc.distributed.reached_preemption`, called at every step). The same call with the same directory
@@ -347,16 +347,18 @@ def run(
         raise _error("metadata must be JSON data (numbers, strings, lists, dicts).", got=str(err)) from None
     saves = None if directory is None else Checkpointer(directory / "state", keep=keep)
     start, restored_rows, resumed, meta = 0, {}, None, {}
+    key_data = _key_data(key)  # saved as host data: the same on every process, whichever device holds the key
     try:
         if saves is not None:
             restore_mesh, axis = (mesh, "walkers") if mesh is not None else _placement(state)
             try:
                 # The newest intact step (an older one, with a warning, when the newest is damaged).
-                saved, meta = saves.restore({"state": state, "key": key}, mesh=restore_mesh, axis_name=axis)
+                like = {"state": state, "key": key_data}
+                saved, meta = saves.restore(like, mesh=restore_mesh, axis_name=axis)
             except CheckpointNotFoundError:
                 saved = None
             if saved is not None:
-                if not np.array_equal(_key_data(saved["key"]), _key_data(key)):
+                if not np.array_equal(saved["key"], key_data):
                     raise _error(
                         f"{str(directory)!r} holds a run of another key: resuming it with this key would not "
                         "continue its trajectory.",
@@ -416,7 +418,7 @@ def run(
                 if saves is not None and (due or stop_flag) and stop_save:
                     history = _history(restored_rows, loop.rows)
                     meta = {"step": done, "history": history, "user": user}
-                    saves.save(done, {"state": state, "key": key}, metadata=meta)
+                    saves.save(done, {"state": state, "key": key_data}, metadata=meta)
                     loop.flush()
                     last_save, timed = time.monotonic(), False
                 if preempted or stop_flag:

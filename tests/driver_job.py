@@ -2,7 +2,7 @@
 
 Not a test module itself. ``tests/test_driver.py`` imports it (:func:`pieces`, :func:`job`) and starts it as
 
-    python tests/driver_job.py DIR N_STEPS [--devices D] [--sigterm-at T] [--print]
+    python tests/driver_job.py DIR N_STEPS [--devices D] [--sigterm-at T] [--print] [--no-checkpoint]
 
 (also under ``python -m shardvmc.launch``): it runs :func:`job` with the checkpoint directory ``DIR``,
 a JSON-lines log ``DIR/log.jsonl`` and, with ``--sigterm-at T``, a callback that sends this process SIGTERM
@@ -92,6 +92,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--devices", type=int, default=None)
     parser.add_argument("--sigterm-at", type=int, default=None)
     parser.add_argument("--print", action="store_true", help="a PrintLog line per step on standard output")
+    parser.add_argument("--no-checkpoint", action="store_true", help="no checkpoints (DIR holds the log alone)")
     args = parser.parse_args(argv)
     sv.testing.set_cpu_devices(args.devices)
     jax.config.update("jax_enable_x64", True)
@@ -103,7 +104,8 @@ def main(argv: list[str]) -> None:
     out: list[Any] = [sv.driver.JsonLog(os.path.join(args.directory, "log.jsonl"))]
     if args.print:
         out.append(sv.driver.PrintLog(every=1))
-    result = job(sv.create_mesh(), args.directory, args.n_steps, callbacks=callbacks, out=out, progress=False)
+    directory = None if args.no_checkpoint else args.directory
+    result = job(sv.create_mesh(), directory, args.n_steps, callbacks=callbacks, out=out, progress=False)
     summary = {"step": result.step, "status": result.status, "resumed_from": result.resumed_from,
                "energy": result.history["energy"].tolist(), "params": params_of(result)}  # fmt: skip
     with open(os.path.join(args.directory, f"result_{jax.process_index()}.json"), "w") as f:
