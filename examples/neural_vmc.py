@@ -202,7 +202,8 @@ def run(config: Config, mesh: Any, *, make: Callable[[Config, Any], Steps] = mak
         n = config.steps if stop_after is None else min(config.steps, stop_after)
         lines = sv.driver.PrintLog(print_every) if print_every else None
         result = sv.driver.run(steps.train, state, n, key=jax.random.fold_in(root, 1), out=lines,
-                               metadata=settings, checkpoint=checkpoint, checkpoint_every=checkpoint_every)  # fmt: skip
+                               metadata=settings, checkpoint=checkpoint,
+                               checkpoint_every=checkpoint_every)  # fmt: skip
         estimate = None
         if result.status == "finished" and n == config.steps and config.eval_steps:
             sampler, params = make_sampler(config, mesh), result.state.params

@@ -17,7 +17,8 @@ Example:
     >>> log_psi = lambda a, r: -a * jnp.sum(r**2)  # ONE walker, r: (1, 3); a 3-D oscillator
     >>> opt = optax.chain(svx.natural_gradient(damping=1e-3), optax.scale_by_learning_rate(0.2))
     >>> vmc = sv.driver.VMC(log_psi, opt, potential=lambda r: 0.5 * jnp.sum(r**2))
-    >>> walkers = sv.initialize_walkers_sharded(lambda k: jax.random.normal(k, (1, 3)), 128, key=jax.random.key(0))
+    >>> init = lambda k: jax.random.normal(k, (1, 3))
+    >>> walkers = sv.initialize_walkers_sharded(init, 128, key=jax.random.key(0))
     >>> result = sv.driver.run(vmc.step, vmc.init(jnp.float32(0.3), walkers), 40, key=jax.random.key(1))
     >>> energy = vmc.expect(result.state, 20, key=jax.random.key(2))
     >>> round(float(energy.mean), 2)  # the exact 1.5 at a = 0.5
