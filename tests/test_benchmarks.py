@@ -145,7 +145,9 @@ def test_netket_comparison_runs_its_shardvmc_side_without_netket(tmp_path):
     (row,) = data["rows"]
     side = row["shardvmc"]
     assert row["walkers"] == side["chains"] == 13 and "netket" not in row
-    assert side["steps"] == 1 + 2 * 2 + 2 * 2  # the first step, two warm-up blocks, two timed rounds of 2
+    # the first step, two warm-up blocks, two timed rounds of 2; the same again against the bare step
+    assert side["steps"] == 1 + 2 * 2 + 2 * 2 + 2 * 2 + 2 * 2
+    assert row["loop_over_bare_step"] and 1.0 < side["expect"] < 4.0  # the evaluation at fixed parameters
     assert 1.0 < side["energy"] < 4.0  # a few steps of 13 walkers: near the exact 2 Ha, loosely
     assert data["lines"]["netket"] > 0 and data["lines"]["shardvmc"] > 0
     assert "| 13 |" in stdout

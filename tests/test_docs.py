@@ -61,7 +61,7 @@ NEEDS = {"kfac_jax": "kfac_jax", "shardvmc.kfac": "kfac_jax"}
 def _public_modules():
     """(module path, __all__) of every public module whose names the reference must list."""
     out = [("shardvmc", list(shardvmc.__all__))]
-    for sub in ("testing", "distributed", "launch", "kfac", "optax", "mcmc", "hamiltonian"):
+    for sub in ("testing", "distributed", "launch", "kfac", "optax", "mcmc", "hamiltonian", "driver"):
         try:
             module = importlib.import_module(f"shardvmc.{sub}")
         except ImportError:  # its optional dependency is missing, or cannot run on this JAX (shardvmc.kfac says which)
@@ -529,7 +529,7 @@ def test_site_builds_strict(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     page = (tmp_path / "site" / "getting-started" / "index.html").read_text()
-    assert "make_kernels" in page and "make_step" in page  # the example's snippets were included
+    assert "make_step" in page and "sv.driver.run" in page  # the example's snippets were included
     assert not code_width.check_site(tmp_path / "site"), "code lines wider than the page: see docs/code_width.py"
     home = (tmp_path / "site" / "index.html").read_text()
     assert f"<title>shardvmc {shardvmc.__version__}</title>" in home  # the version, from docs/hooks.py
