@@ -14,7 +14,7 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 from . import _compat
 from ._errors import CallError, message
-from ._mesh import get_replicated_sharding, get_walker_sharding, walker_mesh
+from ._mesh import get_replicated_sharding, get_walker_sharding, traced_mesh_error, walker_mesh
 from ._walkerset import split_walker_set, walker_count
 
 __all__ = [
@@ -39,7 +39,11 @@ def _is_scalar(x: Any) -> bool:
 def _place(leaf: Any, sharding: NamedSharding) -> jax.Array:
     """Put one leaf onto ``sharding``; each process transfers only its own shards."""
     if isinstance(leaf, Tracer):  # under jit a placement can only be asked for
-        return jax.lax.with_sharding_constraint(leaf, sharding)
+        mesh = sharding.mesh
+        if _compat.context_mesh() is None and isinstance(mesh, Mesh):
+            # Explicit types are resharded under a mesh context only: with none, as kernels do, asked for as Auto.
+            sharding = NamedSharding(_compat.auto_axes_mesh(mesh), sharding.spec)
+        return _compat.constrain(leaf, sharding)
     if isinstance(leaf, jax.Array) and leaf.is_fully_addressable == sharding.is_fully_addressable:
         # Both on this process's devices, or both across processes: JAX reshards. A private copy first:
         # device_put hands back the caller's buffer for the shard on the device it lives on (also with
@@ -55,7 +59,13 @@ def _place(leaf: Any, sharding: NamedSharding) -> jax.Array:
 
 
 def _place_tree(tree: Any, walker: NamedSharding | None, replicated: NamedSharding, where: str) -> Any:
+    mesh = replicated.mesh
+    assert isinstance(mesh, Mesh)
+
     def place(path: Any, leaf: Any) -> Any:
+        elsewhere = traced_mesh_error(where, f"leaf {jax.tree_util.keystr(path) or '<root>'}", leaf, mesh)
+        if elsewhere is not None:  # inside a trace, an array of another mesh cannot be moved (JAX's error: raw)
+            raise elsewhere
         try:
             return _place(leaf, replicated if walker is None or _is_scalar(leaf) else walker)
         except TypeError as err:
