@@ -22,6 +22,7 @@ __all__ = [
     "gather_walkers",
     "pad_n_walkers",
     "pad_walker",
+    "place_on",
     "replicate",
     "shard_walker",
     "slice_walkers",
@@ -80,6 +81,18 @@ def _place_tree(tree: Any, walker: NamedSharding | None, replicated: NamedShardi
             ) from None
 
     return jax.tree_util.tree_map_with_path(place, tree)
+
+
+def place_on(tree: Any, sharding: NamedSharding, where: str) -> Any:
+    """Every leaf of ``tree`` with exactly ``sharding`` (scalar leaves replicated), no mesh resolved.
+
+    For callers that own their mesh whatever the context, as ``shardvmc.kfac`` does (its
+    loss names the mesh's axis); everything else follows the kernels' rule
+    (:func:`shard_walker`, :func:`replicate`). Host data is sliced per device, as there.
+    """
+    mesh = sharding.mesh
+    assert isinstance(mesh, Mesh)
+    return _place_tree(tree, sharding if sharding.spec else None, get_replicated_sharding(mesh), where)
 
 
 def shard_walker(tree: Any, mesh: Mesh | None = None, axis_name: str | tuple[str, ...] = "walkers") -> Any:

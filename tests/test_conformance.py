@@ -774,3 +774,14 @@ def test_a_kernel_without_a_mesh_follows_use_mesh_call_by_call():
             got = kernel(p, r)
         assert len(got[0].sharding.device_set) == d
         np.testing.assert_allclose(np.asarray(got[1]), np.asarray(expected[1]), rtol=RTOL)
+
+
+def test_kfac_places_host_data_on_its_own_mesh_under_a_mesh_context_of_the_same_devices():
+    """The optimiser owns its mesh (its loss names the mesh's axis): host batches and parameters go there, not to the
+    context mesh that placement picks for everything else (a global ("S",) mesh of the same devices)."""
+    p, r = (jax.tree_util.tree_map(np.asarray, a) for a in _kfac_inputs(16))  # host data
+    expected = _kfac_reference(p, r)
+    with _global_mesh(_explicit(len(jax.devices()), "S")):
+        got = _kfac(None)(p, r)
+    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(expected)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=RTOL, atol=1e-12)
