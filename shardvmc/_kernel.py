@@ -109,8 +109,7 @@ def warn_at_user(text: str, category: type[Warning]) -> None:
         lineno=frame.f_lineno,
         module=globals_.get("__name__", "<unknown>"),
         registry=globals_.setdefault("__warningregistry__", {}),  # the "default" action: once per line, as warn's
-        module_globals=globals_,
-    )
+    )  # (no module_globals: on Python 3.13 a script's, without __spec__, makes importlib warn DeprecationWarning)
 
 
 def inside_kernel() -> str | None:
