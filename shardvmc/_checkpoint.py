@@ -32,7 +32,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from . import _checksum, _compat, _npz, _orbax_compat
 from ._errors import CallError, CheckpointNotFoundError, DamagedCheckpointError, message, user_stacklevel
-from ._mesh import get_replicated_sharding, get_walker_sharding, resolve_mesh
+from ._mesh import get_replicated_sharding, get_walker_sharding, walker_mesh
 from ._placement import pad_n_walkers
 from ._walkerset import WalkerSet, check_n_valid, split_walker_set, walker_count
 
@@ -541,7 +541,7 @@ def _restore(
     ``broken(problem, got)`` is the error of a damaged checkpoint.
     """
     header, read, broken = source
-    mesh = resolve_mesh(mesh, axis_name, where=where)
+    mesh, axes = walker_mesh(mesh, axis_name, where=where)  # the kernels' rule (_mesh.walker_mesh)
     _check_header(header, broken)
     layout = _layout(like)
     _check_like(where, path, header, layout)
@@ -550,11 +550,11 @@ def _restore(
         restored_count(where, path, s["n_valid"], node.n_valid or None, n_walkers)
         for s, (_, node) in zip(sets, layout.sets)
     ]
-    n_shards = _compat.axis_size(mesh, axis_name)
+    n_shards = _compat.axis_size(mesh, axes)
     # The padding and cycling are plain array operations, which Explicit axes would make ask for output
     # shardings: they run on an Auto view of the same devices.
     auto_mesh = Mesh(mesh.devices, mesh.axis_names)
-    auto, walker_sharding = get_walker_sharding(auto_mesh, axis_name), get_walker_sharding(mesh, axis_name)
+    auto, walker_sharding = get_walker_sharding(auto_mesh, axes), get_walker_sharding(mesh, axes)
     specs: dict[str, Any] = {}
     for i, entry in enumerate(header["leaves"]):
         shape, dtype = _stored_struct(entry) if entry["kind"] != "python" else ((), None)

@@ -11,8 +11,12 @@ output over the valid walkers with one all-reduce, and un-pads.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
+import os
+import sys
 import warnings
 from collections.abc import Callable, Iterator
+from types import FrameType
 from typing import Any
 
 import chex
@@ -47,6 +51,8 @@ __all__ = [
     "raised_in_body",
     "signature_of",
     "spec",
+    "user_frame",
+    "warn_at_user",
 ]
 
 LOCAL_AXIS = "_shardvmc_walker"
@@ -61,6 +67,49 @@ BODY_NOTE = "shardvmc: raised in the body of walker-parallel kernel"
 
 class PaddingWarning(UserWarning):
     """A walker count the mesh does not divide was padded inside the kernel."""
+
+
+def _package_dirs(*names: str) -> tuple[str, ...]:
+    dirs = []
+    for name in names:
+        found = importlib.util.find_spec(name)
+        if found is not None:
+            dirs += [os.path.join(d, "") for d in found.submodule_search_locations or ()]
+    return tuple(dirs)
+
+
+# The code between a user's call and a warning about it: shardvmc's, and JAX's (a kernel warns while its
+# jax.jit traces, also inside the user's own jax.jit, grad, scan...). Frames of these files are not the user's.
+_INTERNAL_DIRS = (os.path.join(os.path.dirname(os.path.abspath(__file__)), ""), *_package_dirs("jax", "jaxlib"))
+
+
+def user_frame() -> FrameType | None:
+    """The innermost frame outside shardvmc and JAX: the user's line that called into shardvmc.
+
+    ``warnings.warn(skip_file_prefixes=...)`` does this on Python 3.12+; shardvmc supports 3.11.
+    ``None`` when every frame is internal.
+    """
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_INTERNAL_DIRS):
+        frame = frame.f_back
+    return frame
+
+
+def warn_at_user(text: str, category: type[Warning]) -> None:
+    """``warnings.warn(text, category)`` attributed to the user's line (:func:`user_frame`), with its filters."""
+    frame = user_frame()
+    if frame is None:
+        warnings.warn(text, category, stacklevel=2)
+        return
+    globals_ = frame.f_globals
+    warnings.warn_explicit(
+        text,
+        category,
+        filename=frame.f_code.co_filename,
+        lineno=frame.f_lineno,
+        module=globals_.get("__name__", "<unknown>"),
+        registry=globals_.setdefault("__warningregistry__", {}),  # the "default" action: once per line, as warn's
+    )  # (no module_globals: on Python 3.13 a script's, without __spec__, makes importlib warn DeprecationWarning)
 
 
 def inside_kernel() -> str | None:
@@ -555,7 +604,8 @@ def build(
         if options.checks:
             check_inputs(qualname, layout, dyn, dyn_params)
         if n_pad != n:
-            _warn_padding(fn, qualname, layout, n, n_pad, size, axis)
+            if not check_vma:  # (that trace only asks JAX a question, and the call's own trace follows: warned once)
+                _warn_padding(qualname, layout, n, n_pad, size, axis)
             # An uneven count cannot be sharded, so these inputs are replicated: pad them replicated and
             # shard_map slices locally (left free, XLA sharded the padding and all-gathered it back). On
             # Explicit axes the sharding is part of the type, which shard_map's in_specs must match.
@@ -605,25 +655,19 @@ def _check_block_rows(qualname: str, kind: Kind, out: Any, n_local: int) -> None
         ) from None
 
 
-def _warn_padding(
-    fn: Callable[..., Any], qualname: str, layout: Layout, n: int, n_pad: int, size: int, axis: Any
-) -> None:
-    code = getattr(fn, "__code__", None)
+def _warn_padding(qualname: str, layout: Layout, n: int, n_pad: int, size: int, axis: Any) -> None:
     has_per_walker = Kind.PER_WALKER in (layout.output if isinstance(layout.output, tuple) else (layout.output,))
     consequence = (
         f"per-walker outputs of {n} walkers cannot stay evenly sharded"
         if has_per_walker
         else "the inputs were replicated to pad them"
     )
-    warnings.warn_explicit(
+    warn_at_user(
         f"{qualname}: {n} walkers do not split evenly over the {size} devices of mesh axis {axis!r}; they were "
         f"padded to {n_pad} inside the kernel, and {consequence}. Keep a padded walker set instead: "
         f"`walkers = sv.WalkerSet(*sv.pad_walker(walkers, sv.pad_n_walkers({n}, {size})))` "
         "(or initialise with sv.initialize_walkers_sharded, which pads for you).",
         PaddingWarning,
-        filename=code.co_filename if code else "<shardvmc>",
-        lineno=code.co_firstlineno if code else 0,
-        module=getattr(fn, "__module__", None),
     )
 
 

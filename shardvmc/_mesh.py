@@ -24,6 +24,7 @@ __all__ = [
     "is_multi_gpu",
     "n_devices",
     "call_mesh",
+    "walker_mesh",
     "entered_mesh",
     "traced_mesh_error",
     "mesh_of_arrays",
@@ -114,52 +115,69 @@ def resolve_mesh(mesh: Mesh | None, axis_name: str | tuple[str, ...] = "walkers"
     return mesh
 
 
+Axes = str | tuple[str, ...]
 _CallMesh = tuple[Mesh, "str | tuple[str, ...]", "Mesh | None"]
 
 
-def call_mesh(mesh: Mesh | None, axis_name: str | tuple[str, ...], where: str) -> _CallMesh:
-    """Where a kernel call computes: ``(mesh, walker axes, mesh to enter around the call or None)``.
+def walker_mesh(mesh: Mesh | None, axis_name: Axes = "walkers", *, where: str = "shardvmc") -> tuple[Mesh, Axes]:
+    """Where walkers live: ``(mesh, the axes they split over)``, the one rule of kernels and placement alike.
 
     JAX types every array of a traced computation by the mesh of its context (``jax.set_mesh``,
     ``jax.sharding.set_mesh``), and ``shard_map`` refuses a mesh other than the context's.
-    So a call runs on:
+    So walkers go to:
 
-    - the context mesh when one is set and the kernel has no mesh of its own (walkers split
-      over the kernel's axes when the context mesh has them, else over all of its axes, as
-      on a mesh set by another library, such as NetKet's ``("S",)``);
-    - the context mesh when the kernel's own mesh (``mesh=``, ``sv.use_mesh``) spans the same
-      devices in the same order: the walkers land on the same devices, split over all of the
-      context mesh's axes;
-    - the kernel's own mesh otherwise, entered with ``jax.set_mesh`` around an eager call;
+    - the context mesh when one is set and no mesh is chosen (``mesh=``, ``sv.use_mesh``):
+      split over ``axis_name`` when the context mesh has it, else over all of its axes, as on
+      a mesh set by another library, such as NetKet's ``("S",)``;
+    - the context mesh when the chosen mesh spans the same devices in the same order: the
+      walkers land on the same devices, split over all of the context mesh's axes;
+    - the chosen mesh otherwise, outside a trace (a kernel enters it with ``jax.set_mesh``);
       inside a trace (the caller's ``jax.jit``, ``grad``, ``scan``...), the context mesh, as
-      with no mesh of its own: one traced program runs on one set of devices, which its
-      caller fixed, and JAX refuses a ``shard_map`` or a sharding on others there;
-    - with no context mesh, the kernel's mesh (or all devices), with Auto axes: an Explicit
-      mesh's types would need a mesh context for the cotangents of an eager ``jax.grad``.
+      with no mesh chosen: one traced program runs on one set of devices, which its caller
+      fixed, and JAX refuses a ``shard_map`` or a sharding on others there;
+    - with no context mesh, the chosen mesh as it is (Explicit axes included), else all devices.
+
+    A chosen mesh must have the walker axes. ``axis_name=()`` asks for a mesh for replicated
+    data (no walker axes): any chosen mesh will do, and with nothing chosen anywhere it is all
+    devices.
+    """
+    chosen = mesh if mesh is not None else CHOSEN_MESH.get()
+    context = _compat.context_mesh()
+    names = (axis_name,) if isinstance(axis_name, str) else axis_name
+    if chosen is not None:
+        chosen = resolve_mesh(chosen, axis_name, where=where)
+        if context is None or chosen == context:
+            return chosen, axis_name
+        # The walkers (or a replicated copy) land on the same devices: the same placement as the context's axes.
+        spans = not names or _compat.axis_size(chosen, axis_name) == chosen.size
+        if spans and tuple(chosen.devices.flat) == tuple(context.devices.flat):
+            return context, tuple(context.axis_names)
+        if not _internals.tracing():
+            return chosen, axis_name
+    elif context is None:
+        return _default_mesh(axis_name if names else "walkers"), axis_name
+    assert context is not None  # (chosen is None, or a trace under a context of other devices)
+    if all(name in context.shape for name in names):
+        return context, axis_name
+    return context, tuple(context.axis_names)
+
+
+def call_mesh(mesh: Mesh | None, axis_name: Axes, where: str) -> _CallMesh:
+    """Where a kernel call computes: ``(mesh, walker axes, mesh to enter around the call or None)``.
+
+    The mesh and axes of :func:`walker_mesh`; with no context mesh, with Auto axes (an Explicit
+    mesh's types would need a mesh context for the cotangents of an eager ``jax.grad``). A
+    chosen mesh of other devices than the context mesh is entered with ``jax.set_mesh``
+    around the (eager) call.
 
     A kernel keeps the answer per call context (``WalkerParallel.__call__``), so a repeated
     call does not come here.
     """
-    chosen = mesh if mesh is not None else CHOSEN_MESH.get()
+    found, axes = walker_mesh(mesh, axis_name, where=where)
     context = _compat.context_mesh()
     if context is None:
-        if chosen is None:
-            return _default_mesh(axis_name), axis_name, None
-        return _compat.auto_axes_mesh(resolve_mesh(chosen, axis_name, where=where)), axis_name, None
-    if chosen is not None:
-        chosen = resolve_mesh(chosen, axis_name, where=where)
-        if chosen == context:
-            return context, axis_name, None
-        if _compat.axis_size(chosen, axis_name) == chosen.size and tuple(chosen.devices.flat) == tuple(
-            context.devices.flat
-        ):
-            return context, tuple(context.axis_names), None
-        if not _internals.tracing():
-            return chosen, axis_name, chosen
-    names = (axis_name,) if isinstance(axis_name, str) else axis_name
-    if all(name in context.shape for name in names):
-        return context, axis_name, None
-    return context, tuple(context.axis_names), None
+        return _compat.auto_axes_mesh(found), axes, None
+    return found, axes, None if found == context else found
 
 
 def mesh_of_arrays(tree: Any, axis_name: str | tuple[str, ...]) -> Mesh | None:
@@ -290,7 +308,7 @@ def is_multi_gpu() -> bool:
     return n_devices() > 1
 
 
-def get_walker_sharding(mesh: Mesh, axis_name: str = "walkers") -> NamedSharding:
+def get_walker_sharding(mesh: Mesh, axis_name: str | tuple[str, ...] = "walkers") -> NamedSharding:
     """``NamedSharding`` that splits the leading (walker) axis over ``axis_name``.
 
     Example:

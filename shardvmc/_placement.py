@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -9,11 +10,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.core import Tracer
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 from . import _compat
 from ._errors import CallError, message
-from ._mesh import get_replicated_sharding, get_walker_sharding, resolve_mesh, use_mesh_is_set
+from ._mesh import get_replicated_sharding, get_walker_sharding, traced_mesh_error, walker_mesh
 from ._walkerset import split_walker_set, walker_count
 
 __all__ = [
@@ -21,6 +22,7 @@ __all__ = [
     "gather_walkers",
     "pad_n_walkers",
     "pad_walker",
+    "place_on",
     "replicate",
     "shard_walker",
     "slice_walkers",
@@ -38,7 +40,11 @@ def _is_scalar(x: Any) -> bool:
 def _place(leaf: Any, sharding: NamedSharding) -> jax.Array:
     """Put one leaf onto ``sharding``; each process transfers only its own shards."""
     if isinstance(leaf, Tracer):  # under jit a placement can only be asked for
-        return jax.lax.with_sharding_constraint(leaf, sharding)
+        mesh = sharding.mesh
+        if _compat.context_mesh() is None and isinstance(mesh, Mesh):
+            # Explicit types are resharded under a mesh context only: with none, as kernels do, asked for as Auto.
+            sharding = NamedSharding(_compat.auto_axes_mesh(mesh), sharding.spec)
+        return _compat.constrain(leaf, sharding)
     if isinstance(leaf, jax.Array) and leaf.is_fully_addressable == sharding.is_fully_addressable:
         # Both on this process's devices, or both across processes: JAX reshards. A private copy first:
         # device_put hands back the caller's buffer for the shard on the device it lives on (also with
@@ -54,7 +60,13 @@ def _place(leaf: Any, sharding: NamedSharding) -> jax.Array:
 
 
 def _place_tree(tree: Any, walker: NamedSharding | None, replicated: NamedSharding, where: str) -> Any:
+    mesh = replicated.mesh
+    assert isinstance(mesh, Mesh)
+
     def place(path: Any, leaf: Any) -> Any:
+        elsewhere = traced_mesh_error(where, f"leaf {jax.tree_util.keystr(path) or '<root>'}", leaf, mesh)
+        if elsewhere is not None:  # inside a trace, an array of another mesh cannot be moved (JAX's error: raw)
+            raise elsewhere
         try:
             return _place(leaf, replicated if walker is None or _is_scalar(leaf) else walker)
         except TypeError as err:
@@ -71,7 +83,19 @@ def _place_tree(tree: Any, walker: NamedSharding | None, replicated: NamedShardi
     return jax.tree_util.tree_map_with_path(place, tree)
 
 
-def shard_walker(tree: Any, mesh: Mesh | None = None, axis_name: str = "walkers") -> Any:
+def place_on(tree: Any, sharding: NamedSharding, where: str) -> Any:
+    """Every leaf of ``tree`` with exactly ``sharding`` (scalar leaves replicated), no mesh resolved.
+
+    For callers that own their mesh whatever the context, as ``shardvmc.kfac`` does (its
+    loss names the mesh's axis); everything else follows the kernels' rule
+    (:func:`shard_walker`, :func:`replicate`). Host data is sliced per device, as there.
+    """
+    mesh = sharding.mesh
+    assert isinstance(mesh, Mesh)
+    return _place_tree(tree, sharding if sharding.spec else None, get_replicated_sharding(mesh), where)
+
+
+def shard_walker(tree: Any, mesh: Mesh | None = None, axis_name: str | tuple[str, ...] = "walkers") -> Any:
     """Place a pytree of walkers with its leading axis split over the mesh.
 
     Every non-scalar leaf is split along axis 0; scalar leaves are replicated. Host
@@ -80,11 +104,13 @@ def shard_walker(tree: Any, mesh: Mesh | None = None, axis_name: str = "walkers"
 
     Args:
         tree: any pytree whose non-scalar leaves share a leading walker axis.
-        mesh: the mesh; defaults to the ``use_mesh`` one, else all devices.
-        axis_name: the mesh axis to split over.
+        mesh: the mesh; by default the kernels' rule: the ``use_mesh`` one, else the current mesh
+            (``jax.set_mesh``), split over all its axes when it has no ``axis_name``, else all devices.
+        axis_name: the mesh axis to split over (or several, split over together).
 
     Returns:
-        The same pytree with ``jax.Array`` leaves sharded ``P(axis_name)``.
+        The same pytree with ``jax.Array`` leaves sharded ``P(axis_name)`` (under a current mesh
+        without ``axis_name``, over all of its axes).
 
     Raises:
         CallError: (a ``ValueError``) naming the leaf when leading sizes differ or the
@@ -97,27 +123,30 @@ def shard_walker(tree: Any, mesh: Mesh | None = None, axis_name: str = "walkers"
         >>> x["r"].sharding.spec, x["step"].sharding.spec
         (P('walkers',), P())
     """
-    mesh = resolve_mesh(mesh, axis_name, where="shard_walker")
-    size = _compat.axis_size(mesh, axis_name)
+    mesh, axes = walker_mesh(mesh, axis_name, where="shard_walker")
+    size = _compat.axis_size(mesh, axes)
     n = walker_count(tree, "shard_walker")
     if n % size:
         raise CallError(
             message(
                 "shard_walker",
-                f"{n} walkers cannot be split evenly over the {size} devices of the {axis_name!r} axis.",
+                f"{n} walkers cannot be split evenly over the {size} devices of the walker axes {axes!r}.",
                 got=f"leading size {n}, mesh {dict(mesh.shape)}",
                 expected=f"a multiple of {size} (next: {pad_n_walkers(n, size)})",
                 fix=_FIX_PAD,
             )
         )
-    return _place_tree(tree, get_walker_sharding(mesh, axis_name), get_replicated_sharding(mesh), "shard_walker")
+    return _place_tree(tree, get_walker_sharding(mesh, axes), get_replicated_sharding(mesh), "shard_walker")
 
 
 def replicate(tree: Any, mesh: Mesh | None = None) -> Any:
     """Place a full copy of every leaf of ``tree`` on every device of the mesh.
 
     Any mesh will do, with or without a ``walkers`` axis: a replicated leaf is split
-    over no axis. In a multi-process run every process must pass the same values.
+    over no axis. With no ``mesh``, the kernels' rule: the ``use_mesh`` one, else the
+    current mesh (``jax.set_mesh``), else all devices; under a current mesh of the same
+    devices as the ``use_mesh`` one, the current mesh, where the kernels compute. In a
+    multi-process run every process must pass the same values.
 
     Example:
         >>> import shardvmc as sv
@@ -125,9 +154,7 @@ def replicate(tree: Any, mesh: Mesh | None = None) -> Any:
         >>> p["alpha"].sharding.spec
         P()
     """
-    # No axis is required of a given or current mesh; only the default mesh (no mesh anywhere) needs its axis name.
-    anywhere = mesh is not None or use_mesh_is_set() or _compat.context_mesh() is not None
-    mesh = resolve_mesh(mesh, () if anywhere else "walkers", where="replicate")
+    mesh, _ = walker_mesh(mesh, (), where="replicate")  # no walker axis: any mesh will do
     return _place_tree(tree, None, get_replicated_sharding(mesh), "replicate")
 
 
@@ -179,7 +206,7 @@ def pad_walker(tree: Any, target_n_walkers: int) -> tuple[Any, int]:
         if _is_scalar(leaf):
             return leaf
         xp = np if isinstance(leaf, np.ndarray) else jnp
-        return xp.concatenate([leaf, xp.repeat(leaf[:1], extra, axis=0)], axis=0)
+        return _on_rows(leaf, lambda x: xp.concatenate([x, xp.repeat(x[:1], extra, axis=0)], axis=0), n + extra)
 
     return jax.tree_util.tree_map(pad, tree), n
 
@@ -192,7 +219,42 @@ def slice_walkers(tree: Any, start: int, end: int) -> Any:
         >>> sv.slice_walkers({"r": np.arange(5), "t": 1.0}, 1, 3)
         {'r': array([1, 2]), 't': 1.0}
     """
-    return jax.tree_util.tree_map(lambda x: x if _is_scalar(x) else x[start:end], tree)
+
+    def part(x: Any) -> Any:
+        if _is_scalar(x):
+            return x
+        return _on_rows(x, lambda x: x[start:end], len(range(*slice(start, end).indices(np.shape(x)[0]))))
+
+    return jax.tree_util.tree_map(part, tree)
+
+
+def _on_rows(leaf: Any, op: Any, n_rows: int) -> Any:
+    """``op(leaf)``, an indexing of the walker axis (a slice, the padding), also for walkers split over Explicit axes.
+
+    JAX refuses to index an axis split over Explicit mesh axes without an output sharding
+    (``ShardingTypeError``), and walkers placed on an Explicit mesh (``mesh=``, or under a
+    ``jax.set_mesh`` context of one) are so split. ``op`` runs on an Auto view of the same
+    devices (``jax.sharding.auto_axes`` inside a trace), and the result is split like
+    ``leaf`` when the mesh divides its ``n_rows``, else replicated on the same mesh.
+    """
+    sharding = getattr(jax.typeof(leaf), "sharding", None) if isinstance(leaf, jax.Array) else None
+    first = sharding.spec[0] if isinstance(sharding, NamedSharding) and sharding.spec else None
+    axes = () if first is None else (first,) if isinstance(first, str) else tuple(first)
+    if not isinstance(sharding, NamedSharding) or not axes or not _compat.has_explicit_axes(sharding.mesh, axes):
+        return op(leaf)
+    size = math.prod(sharding.mesh.shape[a] for a in axes)
+    out = PartitionSpec(first) if n_rows % size == 0 else PartitionSpec()
+    if isinstance(leaf, Tracer):  # the abstract mesh of the leaf's type: there may be no mesh context in a trace
+        assert isinstance(sharding.mesh, AbstractMesh)
+        with jax.sharding.use_abstract_mesh(sharding.mesh):
+            return jax.sharding.auto_axes(op, out_sharding=out)(leaf)
+    placed = leaf.sharding
+    assert isinstance(placed, NamedSharding) and isinstance(placed.mesh, Mesh)  # (a concrete array of that type)
+    mesh = placed.mesh
+    auto = _compat.auto_axes_mesh(mesh)
+    with jax.set_mesh(auto):  # (also under a jax.set_mesh context of the Explicit mesh)
+        rows = op(jax.device_put(leaf, NamedSharding(auto, placed.spec)))
+    return jax.device_put(rows, NamedSharding(mesh, out))
 
 
 def _local_mesh_devices(mesh: Mesh) -> list[Any]:
@@ -200,14 +262,17 @@ def _local_mesh_devices(mesh: Mesh) -> list[Any]:
     return [d for d in mesh.devices.flat if d.process_index == me]
 
 
-def assemble_sharded(local_pytrees: Sequence[Any], mesh: Mesh | None = None, axis_name: str = "walkers") -> Any:
+def assemble_sharded(
+    local_pytrees: Sequence[Any], mesh: Mesh | None = None, axis_name: str | tuple[str, ...] = "walkers"
+) -> Any:
     """Build one globally sharded pytree from one pytree per local device.
 
     Args:
         local_pytrees: one pytree per device of ``mesh`` that this process addresses,
             in mesh order, each holding that device's walkers.
-        mesh: the mesh; defaults to the ``use_mesh`` one, else all devices.
-        axis_name: the walker axis of ``mesh``.
+        mesh: the mesh; by default the kernels' rule: the ``use_mesh`` one, else the current mesh
+            (``jax.set_mesh``), split over all its axes when it has no ``axis_name``, else all devices.
+        axis_name: the walker axis of ``mesh`` (or several).
 
     Returns:
         A pytree of global arrays sharded ``P(axis_name)``; scalar leaves are
@@ -220,7 +285,7 @@ def assemble_sharded(local_pytrees: Sequence[Any], mesh: Mesh | None = None, axi
         >>> x.shape, x.sharding.spec
         ((4, 3), P('walkers',))
     """
-    mesh = resolve_mesh(mesh, axis_name, where="assemble_sharded")
+    mesh, axes = walker_mesh(mesh, axis_name, where="assemble_sharded")
     devices = _local_mesh_devices(mesh)
     if len(local_pytrees) != len(devices):
         raise CallError(
@@ -257,9 +322,9 @@ def assemble_sharded(local_pytrees: Sequence[Any], mesh: Mesh | None = None, axi
                     fix="give every device the same number of walkers (pad with sv.pad_walker).",
                 )
             )
-    walker = get_walker_sharding(mesh, axis_name)
+    walker = get_walker_sharding(mesh, axes)
     replicated = get_replicated_sharding(mesh)
-    size = _compat.axis_size(mesh, axis_name)
+    size = _compat.axis_size(mesh, axes)
     out = []
     for k, first in enumerate(flat[0]):
         if _is_scalar(first):

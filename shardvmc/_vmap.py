@@ -18,7 +18,7 @@ from ._decorator import WalkerParallel, kernel_of
 from ._errors import CallError, message
 from ._kernel import Options, inside_kernel, signature_of
 from ._markers import Kind, Layout, Param
-from ._mesh import resolve_mesh
+from ._mesh import walker_mesh
 from ._placement import pad_n_walkers, pad_walker, shard_walker
 from ._walkerset import WalkerSet, walker_count
 
@@ -328,7 +328,7 @@ def initialize_walkers_sharded(
     *,
     key: jax.Array | None = None,
     initial_walkers: Any = None,
-    axis_name: str = "walkers",
+    axis_name: str | tuple[str, ...] = "walkers",
 ) -> WalkerSet:
     """Create walkers on the devices that own them, reproducibly for any device count.
 
@@ -340,12 +340,13 @@ def initialize_walkers_sharded(
     Args:
         init_fn: ``init_fn(key) -> one walker`` (any pytree).
         n_walkers: the number of walkers wanted.
-        mesh: the mesh; defaults to the ``use_mesh`` one, else all devices.
+        mesh: the mesh; by default the kernels' rule: the ``use_mesh`` one, else the current mesh
+            (``jax.set_mesh``), split over all its axes when it has no ``axis_name``, else all devices.
         key: a PRNG key (raw or typed). Required unless ``initial_walkers`` is given.
         initial_walkers: a pytree of ``n_walkers`` walkers to place instead of
             calling ``init_fn`` (``key`` is then unused): host arrays, or jax.Arrays
             already on devices (also the global arrays of a multi-process run).
-        axis_name: the walker axis of ``mesh``.
+        axis_name: the walker axis of ``mesh`` (or several).
 
     Returns:
         A :class:`WalkerSet` of ``pad_n_walkers(n_walkers, mesh size)`` walkers sharded
@@ -361,8 +362,8 @@ def initialize_walkers_sharded(
         >>> r.n_valid, r.data.shape, r.data.sharding.spec
         (10, (12, 2, 3), P('walkers',))
     """
-    mesh = resolve_mesh(mesh, axis_name, where="initialize_walkers_sharded")
-    size = _compat.axis_size(mesh, axis_name)
+    mesh, axes = walker_mesh(mesh, axis_name, where="initialize_walkers_sharded")
+    size = _compat.axis_size(mesh, axes)
     if int(n_walkers) < 1:
         raise CallError(message("initialize_walkers_sharded", f"n_walkers must be at least 1, got {n_walkers}."))
     n_pad = pad_n_walkers(n_walkers, size)
@@ -379,7 +380,7 @@ def initialize_walkers_sharded(
                     expected=f"{n_walkers}",
                 )
             )
-        return WalkerSet(shard_walker(pad_walker(host, n_pad)[0], mesh, axis_name), int(n_walkers))
+        return WalkerSet(shard_walker(pad_walker(host, n_pad)[0], mesh, axes), int(n_walkers))
     if key is None:
         raise CallError(
             message(
@@ -390,7 +391,7 @@ def initialize_walkers_sharded(
         )
     # The engine derives walker i's key as fold_in(key, i); the zero-width slots only carry the walker count.
     slots = WalkerSet(np.zeros((n_pad, 0), np.int8), int(n_walkers))
-    return _init_kernel(init_fn, mesh, axis_name)(key, slots)
+    return _init_kernel(init_fn, mesh, axes)(key, slots)
 
 
 # One kernel per initialisation function and mesh, dropped with the function: a fresh lambda per call

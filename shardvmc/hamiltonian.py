@@ -36,7 +36,7 @@ from jax.sharding import Mesh
 from ._decorator import WalkerParallel, walker_parallel
 from ._errors import CallError, message
 from ._markers import PerWalker, Replicated
-from .mcmc import Walker
+from .mcmc import Walker, float_positions, log_psi_value
 
 __all__ = ["LAPLACIANS", "coulomb", "kinetic_energy", "local_energy"]
 
@@ -151,9 +151,10 @@ def kinetic_energy(
                 expected=str(LAPLACIANS),
             )
         )
-    x = r.r if isinstance(r, Walker) else jnp.asarray(r)
+    x = float_positions(r.r if isinstance(r, Walker) else r)  # (integer positions: as floats, as the sampler's)
     shape = x.shape
-    is_complex = jnp.iscomplexobj(jax.eval_shape(lambda y: log_psi(params, y), x))
+    value = jax.eval_shape(lambda y: log_psi_value(log_psi, params, y, "shardvmc.hamiltonian"), x)  # one number
+    is_complex = jnp.iscomplexobj(value)
 
     def f(flat: jax.Array) -> jax.Array:
         value = log_psi(params, flat.reshape(shape))
@@ -215,7 +216,7 @@ def local_energy(
         )
 
     def energy(params: Replicated[Any], r: PerWalker[Any]) -> PerWalker[jax.Array]:
-        x = r.r if isinstance(r, Walker) else r
+        x = float_positions(r.r if isinstance(r, Walker) else r)
         e = kinetic_energy(log_psi, params, x, laplacian=laplacian, sparsity_threshold=sparsity_threshold)
         return e if potential is None else e + potential(x)
 

@@ -124,7 +124,7 @@ from ._internals import tracing
 from ._kernel import Options
 from ._markers import Kind, Layout, Param
 from ._mesh import call_mesh, mesh_of_arrays
-from ._placement import pad_n_walkers, replicate, shard_walker, slice_walkers
+from ._placement import pad_n_walkers, place_on, slice_walkers
 from ._walkerset import WalkerSet, walker_count
 
 __all__ = ["KFAC_JAX_PATCHED", "DiagonalBlockWarning", "Optimizer", "check_curvature_blocks"]
@@ -434,8 +434,8 @@ class Optimizer:
             )
         # Host data is sliced per device (each process sends only its own walkers); jax.Arrays are moved (or,
         # already split this way, relabelled).
-        mesh, sharding = self._kmesh, NamedSharding(self._kmesh, PartitionSpec(self._axis))
-        return jax.tree_util.tree_map(lambda x: _on(x, sharding, lambda y: shard_walker(y, mesh, self._axis)), data)
+        sharding = NamedSharding(self._kmesh, PartitionSpec(self._axis))
+        return jax.tree_util.tree_map(lambda x: _on(x, sharding, lambda y: place_on(y, sharding, _WHERE)), data)
 
     def _replicated(self, tree: Any) -> Any:
         """``tree`` replicated on the mesh: host data is copied there; arrays already there are relabelled.
@@ -444,8 +444,8 @@ class Optimizer:
         gives every step's inputs the same sharding, hence one compilation for all steps.
         """
         assert self._kmesh is not None
-        mesh, sharding = self._kmesh, NamedSharding(self._kmesh, PartitionSpec())
-        return jax.tree_util.tree_map(lambda x: _on(x, sharding, lambda y: replicate(y, mesh)), tree)
+        sharding = NamedSharding(self._kmesh, PartitionSpec())
+        return jax.tree_util.tree_map(lambda x: _on(x, sharding, lambda y: place_on(y, sharding, _WHERE)), tree)
 
     def init(self, params: Any, rng: jax.Array, batch: Any, func_state: Any = None) -> Any:
         """kfac-jax's ``init`` on a walker-sharded ``batch``; returns its state, replicated.

@@ -47,12 +47,13 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 
 from ._decorator import WalkerParallel, walker_parallel
-from ._errors import CallError, message
+from ._errors import CallError, describe, message
 from ._markers import Mean, PerWalker, Replicated, Static, WalkerKey
 from ._placement import replicate
 from ._walkerset import WalkerSet
 
 __all__ = ["MOVES", "Metropolis", "SamplerState", "Walker", "adapt_width"]
+# (float_positions and log_psi_value are also hamiltonian's: module functions, not public API)
 
 MOVES = ("gaussian", "one-electron", "mala")
 """The proposals :class:`Metropolis` knows (its ``move=``)."""
@@ -130,8 +131,54 @@ def adapt_width(width: jax.Array, acceptance: jax.Array, target: float = 0.5, ra
 
 
 def _positions(r: Any) -> jax.Array:
-    """The positions of one walker given as positions or as a :class:`Walker`."""
-    return r.r if isinstance(r, Walker) else r
+    """The positions of one walker given as positions or as a :class:`Walker`, as floats (:func:`float_positions`)."""
+    return float_positions(r.r if isinstance(r, Walker) else r)
+
+
+def float_positions(r: Any) -> jax.Array:
+    """Positions as the floats they are sampled and differentiated in.
+
+    Integer and boolean positions (``np.zeros((n, 2, 3), int)``, a lattice of integers)
+    become JAX's default float dtype, as ``jnp.asarray(r, float)`` makes them: float32, or
+    float64 under ``jax_enable_x64``. Float and complex positions are kept as they are.
+    """
+    r = jnp.asarray(r)
+    if jnp.issubdtype(r.dtype, jnp.integer) or jnp.issubdtype(r.dtype, jnp.bool_):
+        return r.astype(jnp.asarray(0.0).dtype)
+    return r
+
+
+def log_psi_value(log_psi: Callable[..., Any], params: Any, r: jax.Array, where: str = _WHERE) -> Any:
+    """``log_psi(params, r)`` of one walker, refused (``CallError``) unless it is one number.
+
+    The check is on the traced shape: it costs nothing in the compiled program.
+    """
+    out = log_psi(params, r)
+    leaves = jax.tree_util.tree_leaves(out)
+    if len(leaves) != 1 or leaves[0] is not out:
+        raise CallError(
+            message(
+                where,
+                f"log_psi(params, r) returned a {type(out).__name__} for one walker, not one number.",
+                got=describe(out),
+                expected="log|psi| (real) or log psi (complex) of the walker: one scalar",
+                fix="return the log-amplitude alone, e.g. lambda params, r: f(params, r)[1] for a function that "
+                "returns (sign, log|psi|).",
+            )
+        )
+    shape = jnp.shape(out)
+    if shape != ():
+        raise CallError(
+            message(
+                where,
+                f"log_psi(params, r) returned shape {shape} for one walker, not one number.",
+                got=f"{describe(out)} for r of shape {tuple(jnp.shape(r))}",
+                expected="log|psi| (real) or log psi (complex) of the walker: a scalar, shape ()",
+                fix="index or squeeze the output: e.g. nn.Dense(1)(h)[0] or jnp.squeeze(out, -1). log_psi is "
+                "called for ONE walker (no batch axis).",
+            )
+        )
+    return out
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -223,11 +270,16 @@ class Metropolis:
             params: the wavefunction's parameters.
             positions: the walkers' positions, walker axis first: a :class:`~shardvmc.WalkerSet`
                 (e.g. from ``sv.initialize_walkers_sharded``, padded to the mesh), or an array
-                (all walkers valid).
+                (all walkers valid). Integer or boolean positions are sampled as floats of
+                JAX's default float dtype (float32; float64 under ``jax_enable_x64``).
             width: the initial proposal width.
 
         Returns:
             A :class:`SamplerState` (``acceptance`` is ``nan`` until the first :meth:`step`).
+
+        Raises:
+            CallError: ``log_psi`` does not return one number per walker (e.g. shape ``(1,)``
+                from a ``Dense(1)`` output, or a ``(sign, log|psi|)`` pair), naming what it returned.
         """
         if not isinstance(positions, WalkerSet):
             positions = WalkerSet(positions)
@@ -274,7 +326,7 @@ class Metropolis:
 def _make_evaluate(log_psi: Callable[..., Any]) -> Callable[..., Any]:
     def evaluate(params: Replicated[Any], r: PerWalker[Any]) -> PerWalker[Walker]:
         x = _positions(r)
-        return Walker(x, jnp.real(log_psi(params, x)).astype(x.dtype))
+        return Walker(x, jnp.real(log_psi_value(log_psi, params, x)).astype(x.dtype))
 
     evaluate.__qualname__ = "Metropolis.evaluate"
     return evaluate
@@ -282,7 +334,7 @@ def _make_evaluate(log_psi: Callable[..., Any]) -> Callable[..., Any]:
 
 def _make_moves(log_psi: Callable[..., Any], n_steps: int, move: str) -> Callable[..., Any]:
     def log_abs(params: Any, x: jax.Array) -> jax.Array:
-        return jnp.real(log_psi(params, x)).astype(x.dtype)
+        return jnp.real(log_psi_value(log_psi, params, x)).astype(x.dtype)
 
     def moves(
         params: Replicated[Any],
@@ -291,7 +343,7 @@ def _make_moves(log_psi: Callable[..., Any], n_steps: int, move: str) -> Callabl
         width: Replicated[jax.Array],
         refresh: Static[bool],
     ) -> tuple[PerWalker[Walker], Mean[jax.Array]]:
-        x = walker.r
+        x = _positions(walker)
         dtype = x.dtype
         w = jnp.asarray(width, dtype)
         zero = jnp.zeros((), dtype)

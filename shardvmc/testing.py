@@ -11,7 +11,7 @@ from jax.core import Tracer
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from . import _internals
-from ._mesh import resolve_mesh
+from ._mesh import walker_mesh
 
 __all__ = ["CPU_SCHEDULER_FLAG", "assert_replicated", "assert_walker_sharded", "cpu_environment", "set_cpu_devices"]
 
@@ -112,7 +112,7 @@ def _arrays(tree: Any, where: str) -> list[tuple[str, jax.Array]]:
     return out
 
 
-def assert_walker_sharded(tree: Any, mesh: Mesh | None = None, axis_name: str = "walkers") -> None:
+def assert_walker_sharded(tree: Any, mesh: Mesh | None = None, axis_name: str | tuple[str, ...] = "walkers") -> None:
     """Assert that every non-scalar leaf is split over the walker axis of ``mesh``.
 
     Lists every leaf that is not, with its sharding, in one ``AssertionError``.
@@ -123,8 +123,8 @@ def assert_walker_sharded(tree: Any, mesh: Mesh | None = None, axis_name: str = 
         >>> mesh = sv.create_mesh()
         >>> assert_walker_sharded(sv.shard_walker(np.zeros((8, 3)), mesh), mesh)
     """
-    mesh = resolve_mesh(mesh, axis_name, where="assert_walker_sharded")
-    expected = NamedSharding(mesh, PartitionSpec(axis_name))
+    mesh, axes = walker_mesh(mesh, axis_name, where="assert_walker_sharded")  # where shard_walker puts them
+    expected = NamedSharding(mesh, PartitionSpec(axes))
     bad = []
     for name, leaf in _arrays(tree, "assert_walker_sharded"):
         if leaf.ndim == 0:
@@ -133,7 +133,7 @@ def assert_walker_sharded(tree: Any, mesh: Mesh | None = None, axis_name: str = 
             bad.append(f"  {name}: shape {leaf.shape}, sharding {leaf.sharding}")
     if bad:
         raise AssertionError(
-            f"assert_walker_sharded: {len(bad)} leaves are not sharded P({axis_name!r}) over mesh "
+            f"assert_walker_sharded: {len(bad)} leaves are not sharded P({axes!r}) over mesh "
             f"{dict(mesh.shape)}:\n" + "\n".join(bad)
         )
 

@@ -154,8 +154,12 @@ E8 = np.arange(8, dtype=np.float32)
 ONE = np.float32(1.0)
 
 
-def other_mesh_walkers():
-    return sv.shard_walker(np.ones((6, 3), np.float32), sv.create_mesh(jax.devices()[:3]))
+def _dense_1_log_psi(params: Any, r: jax.Array) -> jax.Array:
+    return -jnp.sum(r**2, keepdims=True).reshape(1)  # what nn.Dense(1)(h) returns without [0]
+
+
+def other_mesh_walkers(n: int = 6):
+    return sv.shard_walker(np.ones((n, 3), np.float32), sv.create_mesh(jax.devices()[:3]))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -321,6 +325,18 @@ CATALOGUE = [
     Bad("natural_gradient: zero damping with a Cholesky solve",
         lambda: sv.natural_gradient(J8, E8, damping=0.0, method="minsr"), sv.CallError,
         ("natural_gradient", "damping=0.0", "solver='eigh'", "damping=1e-3")),
+    Bad("shard_walker inside jax.jit: walkers on a mesh of another size",
+        lambda: jax.jit(lambda r: sv.shard_walker(r, sv.create_mesh()))(other_mesh_walkers(24)), sv.CallError,
+        ("shard_walker", "leaf <root>", "a mesh of 3 devices", "traced computation", "jax.set_mesh(mesh)")),
+    Bad("Metropolis: log_psi of shape (1,) (a Dense(1) output)",
+        lambda: sv.mcmc.Metropolis(_dense_1_log_psi).init(None, R8), sv.CallError,
+        ("shardvmc.mcmc.Metropolis", "returned shape (1,)", "not one number", "float32[1]", "nn.Dense(1)(h)[0]")),
+    Bad("Metropolis: log_psi returning a (sign, log-amplitude) pair",
+        lambda: sv.mcmc.Metropolis(lambda p, r: (ONE, -jnp.sum(r**2))).init(None, R8), sv.CallError,
+        ("shardvmc.mcmc.Metropolis", "returned a tuple", "not one number", "f(params, r)[1]")),
+    Bad("local_energy: log_psi of shape (1,)",
+        lambda: sv.hamiltonian.local_energy(_dense_1_log_psi)(None, R8), sv.CallError,
+        ("shardvmc.hamiltonian", "returned shape (1,)", "not one number", "jnp.squeeze")),
     Bad("natural_gradient: solver over the memory budget",
         lambda: sv.natural_gradient(J8, E8, damping=1e-3, method="dense", memory_budget=64), sv.CallError,
         ("natural_gradient", "no solver fits", "method='dense'", "tried: dense", "raise memory_budget=")),

@@ -48,6 +48,7 @@ import contextlib
 import dataclasses
 import os
 import random
+import tempfile
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -127,6 +128,7 @@ class Entry:
     differentiable: bool = True
     walker_outputs: bool = True  # whether outputs have a walker axis (vmap/scan stack around it)
     transforms: tuple[str, ...] | None = None  # the transforms that make sense for it (None: all of them)
+    placement: bool = False  # outputs (walker data, replicated data), padded to the mesh, placed by the rule
 
 
 def _usable(e: Entry) -> list[str]:
@@ -304,6 +306,59 @@ def _series(n: int) -> tuple[jax.Array]:
     return (jnp.float64(-2.5) + 0.1 * jax.random.normal(jax.random.key(4), (n, 12), jnp.float64),)
 
 
+# ---- the placement functions: outputs (walker data, replicated data), checked for where they are too -----
+# Each pads its walkers to the mesh it resolves (``Entry.padded``): the rows past the reference's are padding.
+
+PAD_TO = 24  # a multiple of every device count of DEVICES: walkers padded to it split over any of these meshes
+
+
+def _placed(mesh: Any) -> Callable[..., Any]:
+    def f(p: Any, r: jax.Array) -> Any:
+        padded, _ = sv.pad_walker({"r": r * p["z"], "a": p["a"]}, sv.pad_n_walkers(r.shape[0], PAD_TO))
+        placed = sv.shard_walker(padded, mesh)  # the scalar leaf "a" is replicated
+        return placed["r"], (placed["a"], sv.replicate(p, mesh))
+
+    return f
+
+
+def _placed_reference(p: Any, r: jax.Array) -> Any:
+    x = r * p["z"]
+    extra = sv.pad_n_walkers(r.shape[0], PAD_TO) - r.shape[0]
+    return jnp.concatenate([x, jnp.repeat(x[:1], extra, axis=0)]), (p["a"], p)
+
+
+def _one_walker(key: jax.Array) -> jax.Array:
+    return jax.random.normal(key, (3, 3), jnp.float64)
+
+
+def _initialised(mesh: Any) -> Callable[..., Any]:
+    def f(p: Any, r: jax.Array) -> Any:  # (p unused: walkers from a key, and from walkers given)
+        n, key = r.shape[0], jax.random.key(KEY_SEED)
+        drawn = sv.initialize_walkers_sharded(_one_walker, n, mesh, key=key)
+        given = sv.initialize_walkers_sharded(_one_walker, n, mesh, initial_walkers={"r": r})
+        return (drawn.data, given.data["r"]), ()
+
+    return f
+
+
+def _initialised_reference(p: Any, r: jax.Array) -> Any:
+    keys = jax.vmap(jax.random.fold_in, (None, 0))(jax.random.key(KEY_SEED), jnp.arange(r.shape[0]))
+    return (jax.vmap(_one_walker)(keys), r), ()
+
+
+def _loaded(mesh: Any) -> Callable[..., Any]:
+    def f(p: Any, r: jax.Array) -> Any:
+        n = r.shape[0]
+        with tempfile.TemporaryDirectory() as directory:
+            sv.save_walkers(os.path.join(directory, "walkers"), sv.WalkerSet({"r": np.asarray(r)}, n))
+            walkers, _, _ = sv.load_walkers(os.path.join(directory, "walkers"), {"r": r[:1]}, mesh)
+            sv.save_state(os.path.join(directory, "state"), {"w": sv.WalkerSet(np.asarray(r), n), "p": p})
+            state, _ = sv.load_state(os.path.join(directory, "state"), {"w": sv.WalkerSet(r, n), "p": p}, mesh=mesh)
+        return (walkers.data["r"], state["w"].data), state["p"]
+
+    return f
+
+
 ENTRIES = (
     Entry("walker_parallel", _energy_kernel, _energy_reference, lambda n: (make_params(), walkers(n))),
     Entry(
@@ -354,7 +409,13 @@ ENTRIES = (
         walker_outputs=False,
         transforms=("eager", "jit", "scan", "cond", "eval_shape", "lower_compile"),  # an optimiser's step
     ),
-)
+    Entry("shard_walker/pad_walker/replicate", _placed, _placed_reference, lambda n: (make_params(), walkers(n)),
+          differentiable=False, placement=True),
+    Entry("initialize_walkers_sharded", _initialised, _initialised_reference, lambda n: (make_params(), walkers(n)),
+          differentiable=False, placement=True),
+    Entry("load_walkers/load_state", _loaded, lambda p, r: ((r, r), p), lambda n: (make_params(), walkers(n)),
+          differentiable=False, placement=True, transforms=("eager",)),  # files: read and written eagerly
+)  # fmt: skip
 
 
 # ---- transforms: (run f, run the reference) -> outputs to compare -------------------------------------
@@ -588,11 +649,56 @@ def test_cell(entry: str, transform: str, context: str, d: int, count: str) -> N
             if error is None or not isinstance(err, error):
                 raise
             return  # the documented error; where JAX can place the arrays, the result is compared below
+    if e.placement:
+        got = _placement_checked(got, expected, context, transform, d)
     assert jax.tree_util.tree_structure(got) == jax.tree_util.tree_structure(expected)
     for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(expected)):
         assert np.shape(a) == np.shape(b)
         if transform != "eval_shape":
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=RTOL, atol=1e-12)
+
+
+def _rule(context: str, d: int, transform: str) -> tuple[Any, str]:
+    """Where walkers go in a context: (mesh, walker axis), the table of docs/concepts.md written out (an oracle).
+
+    Meshes of the same devices in the same order and the same split are the same placement, whatever their axis
+    names and types (``is_equivalent_to``).
+    """
+    everything, traced = jax.make_mesh((len(jax.devices()),), ("S",)), transform in TRACED
+    return {
+        "mesh=": (sv.create_mesh(_devices(d)), "walkers"),
+        "mesh= explicit": (_explicit(d, "walkers"), "walkers"),
+        "use_mesh": (sv.create_mesh(_devices(d)), "walkers"),
+        "set_mesh auto": (sv.create_mesh(_devices(d)), "walkers"),
+        "set_mesh explicit": (_explicit(d, "walkers"), "walkers"),
+        "set_mesh other axis": (_explicit(d, "S"), "S"),  # no walkers axis: over all of its axes
+        "global set_mesh other axis": (_explicit(d, "S"), "S"),
+        # another mesh context: eagerly the mesh= one, inside a trace the context's (the same when d is all devices)
+        "mesh= inside another mesh": (everything, "S") if traced else (sv.create_mesh(_devices(d)), "walkers"),
+        "inputs on a sub-mesh": (sv.create_mesh(), "walkers"),  # placing chooses: no mesh chosen, all devices
+    }[context]
+
+
+def _placement_checked(got: Any, expected: Any, context: str, transform: str, d: int) -> Any:
+    """The outputs of a placement entry with the padding rows left out, once checked: as many rows as the mesh of
+    the rule pads the walkers to and, eagerly, every walker leaf split over the rule's mesh and every other leaf
+    replicated on it."""
+    mesh, axis = _rule(context, d, transform)
+    walker_axis = 1 if transform in ("vmap", "scan") else 0  # (the transform stacks its two calls in front)
+
+    def trimmed(a: Any, b: Any) -> Any:
+        rows = np.shape(b)[walker_axis]
+        assert np.shape(a)[walker_axis] == sv.pad_n_walkers(rows, mesh.shape[axis]), (np.shape(a), mesh.shape)
+        if transform == "eager":
+            where = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(axis))
+            assert a.sharding.is_equivalent_to(where, a.ndim), (a.sharding, where)
+        return np.asarray(a).take(np.arange(rows), axis=walker_axis)
+
+    if transform == "eager":
+        everywhere = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        for a in jax.tree_util.tree_leaves(got[1]):
+            assert a.sharding.is_equivalent_to(everywhere, a.ndim), (a.sharding, everywhere)
+    return jax.tree_util.tree_map(trimmed, got[0], expected[0]), got[1]
 
 
 def test_a_repeated_call_in_every_context_reuses_its_program():
@@ -668,3 +774,14 @@ def test_a_kernel_without_a_mesh_follows_use_mesh_call_by_call():
             got = kernel(p, r)
         assert len(got[0].sharding.device_set) == d
         np.testing.assert_allclose(np.asarray(got[1]), np.asarray(expected[1]), rtol=RTOL)
+
+
+def test_kfac_places_host_data_on_its_own_mesh_under_a_mesh_context_of_the_same_devices():
+    """The optimiser owns its mesh (its loss names the mesh's axis): host batches and parameters go there, not to the
+    context mesh that placement picks for everything else (a global ("S",) mesh of the same devices)."""
+    p, r = (jax.tree_util.tree_map(np.asarray, a) for a in _kfac_inputs(16))  # host data
+    expected = _kfac_reference(p, r)
+    with _global_mesh(_explicit(len(jax.devices()), "S")):
+        got = _kfac(None)(p, r)
+    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(expected)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=RTOL, atol=1e-12)

@@ -208,3 +208,38 @@ def test_bad_settings_are_call_errors():
         Metropolis(gaussian, n_steps=0)
     with pytest.raises(sv.CallError, match="adapt_rate"):
         Metropolis(gaussian, adapt_rate=-1.0)
+
+
+@pytest.mark.parametrize("move", ["gaussian", "one-electron", "mala"])
+def test_integer_positions_are_sampled_as_floats(move):
+    """Integer positions (a lattice, np.zeros(..., int)) give the chains of the same positions as floats of JAX's
+    default float dtype; so does the local energy of the walkers."""
+    lattice = np.arange(16 * 2 * 3).reshape(16, 2, 3) % 3 - 1  # int64 on the host
+    sampler = Metropolis(gaussian, n_steps=3, move=move)
+    alpha = jnp.float32(ALPHA)
+    as_floats = sampler.step(alpha, sampler.init(alpha, lattice.astype(np.float32)), jax.random.key(3))
+    from_ints = sampler.step(alpha, sampler.init(alpha, lattice), jax.random.key(3))
+    assert from_ints.walkers.data.r.dtype == jnp.float32 and from_ints.walkers.data.log_psi.dtype == jnp.float32
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), from_ints, as_floats)
+    energy = sv.hamiltonian.local_energy(gaussian, lambda r: 2 * ALPHA**2 * jnp.sum(r**2))  # the oscillator's E_L
+    np.testing.assert_allclose(np.asarray(energy(alpha, lattice)), 6 * ALPHA, rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "log_psi, got",
+    [
+        (lambda p, r: -jnp.sum(r**2, keepdims=True).reshape(1), "shape (1,)"),  # a Dense(1) output without [0]
+        (lambda p, r: -jnp.sum(r**2, axis=1), "shape (2,)"),  # a batch axis
+        (lambda p, r: (jnp.float32(1.0), -jnp.sum(r**2)), "returned a tuple"),  # (sign, log|psi|)
+    ],
+    ids=["dense-1", "per-electron", "sign-and-log"],
+)
+def test_a_log_psi_that_is_not_one_number_is_refused_at_init(log_psi, got):
+    sampler = Metropolis(log_psi)
+    with pytest.raises(sv.CallError, match="not one number") as info:
+        sampler.init(None, jnp.zeros((8, 2, 3)))
+    assert got in str(info.value) and "fix:" in str(info.value)
+    with pytest.raises(sv.CallError, match="not one number"):
+        sv.hamiltonian.local_energy(log_psi)(None, jnp.zeros((8, 2, 3)))
+    complex_ok = Metropolis(gaussian_with_phase).init(jnp.float32(ALPHA), jnp.zeros((8, 2, 3)))  # complex: allowed
+    assert complex_ok.walkers.data.log_psi.dtype == jnp.float32

@@ -1,5 +1,12 @@
 """Mesh resolution (JAX's own mesh context, Explicit axes, several walker axes) and no silent surprises."""
 
+import contextlib
+import inspect
+import io
+import pathlib
+import re
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -198,3 +205,123 @@ def test_replicate_needs_no_walker_axis(context):
 def test_replicate_without_any_mesh_uses_the_default_mesh():
     p = sv.replicate(np.ones(3))
     assert p.sharding.is_fully_replicated and dict(p.sharding.mesh.shape) == {"walkers": len(jax.devices())}
+
+
+# ---- one rule for meshes: placement follows the kernels under a mesh without the walker axis -----------
+
+
+@pytest.fixture(params=["auto", "explicit"])
+def global_mesh(request):
+    """A global mesh of all devices without a ``walkers`` axis, as NetKet sets at import (Explicit: its option)."""
+    kind = jax.sharding.AxisType.Explicit if request.param == "explicit" else jax.sharding.AxisType.Auto
+    mesh = Mesh(np.array(jax.devices()), ("S",), axis_types=(kind,))
+    jax.sharding.set_mesh(mesh)
+    try:
+        yield mesh
+    finally:
+        jax.sharding.set_mesh(None)
+
+
+def test_placement_under_a_global_mesh_without_the_walker_axis_splits_over_its_axes(global_mesh, tmp_path):
+    """Every placement function puts walkers where the kernels compute: split over all of the mesh's axes."""
+    n = len(jax.devices())
+    host = np.arange(30.0, dtype=np.float32).reshape(10, 3)
+    padded = sv.pad_walker(host, sv.pad_n_walkers(10, n))[0]
+    key = jax.random.key(0)
+    drawn = jax.vmap(lambda i: jax.random.normal(jax.random.fold_in(key, i), (3,)))(np.arange(10))
+    sv.save_walkers(tmp_path / "walkers", sv.WalkerSet(padded, 10))
+    like = {"w": sv.WalkerSet(padded, 10), "alpha": np.float32(0.5)}
+    sv.save_state(tmp_path / "state", like)
+    placed = {  # name: (walkers, the first 10 as they should be)
+        "shard_walker": (sv.shard_walker(padded), host),
+        "initialize_walkers_sharded, key": (sv.initialize_walkers_sharded(lambda k: jax.random.normal(k, (3,)), 10,
+                                                                          key=key).data, drawn),
+        "initialize_walkers_sharded, walkers": (sv.initialize_walkers_sharded(None, 10, initial_walkers=host).data,
+                                                host),
+        "assemble_sharded": (sv.assemble_sharded(np.split(padded, n)), host),
+        "load_walkers": (sv.load_walkers(tmp_path / "walkers", padded[:1])[0].data, host),
+        "load_state": (sv.load_state(tmp_path / "state", like)[0]["w"].data, host),
+    }  # fmt: skip
+    alpha = sv.replicate(jnp.float32(0.5))
+    assert alpha.sharding.is_equivalent_to(jax.sharding.NamedSharding(global_mesh, P()), 0)
+    kernel = sv.walker_parallel(energy)
+    for name, (walkers, first) in placed.items():
+        assert walkers.sharding.is_equivalent_to(jax.sharding.NamedSharding(global_mesh, P("S")), 2), name
+        sv.testing.assert_walker_sharded(walkers)  # (the same rule)
+        np.testing.assert_allclose(np.asarray(sv.slice_walkers(walkers, 0, 10)), first, rtol=1e-6, err_msg=name)
+        e, mean = kernel(alpha, walkers, n_valid=10)  # the kernels take them where they are
+        np.testing.assert_allclose(float(mean), 0.5 * np.mean(np.sum(np.asarray(first) ** 2, 1)), rtol=1e-5)
+    # slicing and padding walkers split over the mesh's axes (JAX refuses x[:n] of Explicit ones)
+    again = sv.pad_walker(sv.slice_walkers(placed["shard_walker"][0], 0, n), 2 * n)[0]
+    np.testing.assert_array_equal(np.asarray(again), sv.pad_walker(padded[:n], 2 * n)[0])
+
+
+def _vmc_job(steps: int) -> dict:
+    """docs/vmc.md's Hooke's atom job, run as the page has it for ``steps`` steps: its namespace afterwards."""
+    text = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "vmc.md").read_text()
+    block = re.search(r"^```python\n(.*?)^```", text, re.M | re.S).group(1)
+    assert "for t in range(100):" in block  # the job's loop, shortened here
+    namespace: dict = {"__name__": "vmc_job"}
+    with contextlib.redirect_stdout(io.StringIO()):
+        exec(compile(block.replace("range(100)", f"range({steps})"), "docs/vmc.md", "exec"), namespace)
+    return namespace
+
+
+def test_the_vmc_job_runs_under_use_mesh_after_a_global_mesh_without_the_walker_axis():
+    """docs/vmc.md's job under sv.use_mesh(sv.create_mesh()) after a global ("S",) mesh (NetKet's, Explicit axes):
+    the same devices, so it runs on the global mesh, as without any mesh. A use_mesh of other devices cannot meet
+    the global mesh inside the job's jax.jit: a CallError names both meshes and the fix."""
+    expected = _vmc_job(2)
+    jax.sharding.set_mesh(jax.make_mesh((len(jax.devices()),), ("S",)))  # Explicit axes
+    try:
+        with sv.use_mesh(sv.create_mesh()):
+            got = _vmc_job(2)
+        with sv.use_mesh(sv.create_mesh(jax.devices()[:2])), pytest.raises(sv.CallError) as info:
+            _vmc_job(1)
+    finally:
+        jax.sharding.set_mesh(None)
+    for a, b in zip(
+        jax.tree.leaves((got["params"], got["energy"])), jax.tree.leaves((expected["params"], expected["energy"]))
+    ):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5)
+    text = str(info.value)
+    assert f"{{'S': {len(jax.devices())}}}" in text and "mesh of 2 devices" in text and "jax.set_mesh" in text
+
+
+# ---- warnings point at the user's call, once per call ----------------------------------------------------
+
+
+def test_a_padding_warning_points_at_the_users_call_once_per_call():
+    """For a kernel, walker_mean, statistics, StatsAccumulator and a kernel inside the user's jax.jit: the file and
+    line of the call, not the decorator's nor one of shardvmc's, and one warning per call."""
+    sv.clear_caches()  # traced afresh here: a kernel warns when it traces
+    x = np.ones((11, 3), np.float32)  # 11 walkers: padded on 8 devices (and 3)
+    series = np.ones((11, 12), np.float32)
+    accumulator = sv.StatsAccumulator.create(series[:, 0]).update(series[:, 1])
+
+    @sv.walker_parallel
+    def kernel(r: PerWalker[jax.Array]) -> Mean[jax.Array]:
+        return jnp.sum(r**2)
+
+    @sv.walker_parallel
+    def traced(r: PerWalker[jax.Array]) -> Mean[jax.Array]:
+        return jnp.sum(r)
+
+    def step(r):
+        return traced(r * 2.0)  # the call inside the user's jit
+
+    in_jit = step.__code__.co_firstlineno + 1
+    here = inspect.currentframe().f_lineno + 2  # the line of the first call, below
+    calls = [
+        (lambda: kernel(x), here),
+        (lambda: sv.walker_mean(x), here + 1),
+        (lambda: sv.statistics(series), here + 2),
+        (lambda: accumulator.statistics(), here + 3),
+        (lambda: jax.jit(step)(x), in_jit),
+    ]
+    for call, line in calls:
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            call()
+        padding = [w for w in record if issubclass(w.category, sv.PaddingWarning)]
+        assert [(w.filename, w.lineno) for w in padding] == [(__file__, line)], [str(w.message) for w in padding]
