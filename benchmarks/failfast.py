@@ -1,0 +1,185 @@
+"""How long a run lasts after one of its processes fails: the table of docs/cluster.md ("When a process fails").
+
+    python benchmarks/failfast.py                      # every kind, with and without the launcher, 3 runs each
+    python benchmarks/failfast.py --load 2             # the same with 2 busy loops loading the CPU
+    python benchmarks/failfast.py --where launcher --kinds exit,SIGKILL --reps 5
+
+Each run is a group of 2 processes of 1 fake CPU device running ``tests/mp_fail_worker.py``
+(the program of the fail-fast tests) with ``sv.distributed.initialize()``'s defaults. Process
+1 fails, once both processes computed: ``exit`` (``sys.exit(3)``, process 0 sleeping), ``raise``
+(an uncaught exception, process 0 computing), ``SIGKILL`` and ``SIGTERM`` (sent by this script,
+process 0 computing). ``launcher``: the group runs under ``python -m shardvmc.launch``, and
+the time is from the failure to the launcher's exit. ``bare``: the processes are started
+without a launcher (as under a scheduler that does not stop the others), and the time is
+from the failure to the end of the last process: the peer is ended by JAX's coordination
+service once process 1's heartbeats stop. The failure's time is the one process 1 prints
+just before it fails, or when this script sends the signal. Figures: median and range
+over ``--reps`` runs, in seconds, with the exit codes seen.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = ROOT / "tests" / "mp_fail_worker.py"
+# the worker's HOW and PEER for each kind of failure of process 1
+KINDS = {
+    "exit": ("exit", "sleep"),
+    "raise": ("raise", "compute"),
+    "SIGKILL": ("wait", "compute"),
+    "SIGTERM": ("wait", "compute"),
+}
+LIMIT_S = 400.0  # a run that lasts longer is stopped and reported as such (JAX's barrier alone takes 300 s)
+
+
+class _Group:
+    """The processes of one run, their output read by threads, every process group killed on close."""
+
+    def __init__(self, where: str, kind: str, env: dict[str, str]) -> None:
+        from shardvmc.launch import free_port, process_env
+
+        how, peer = KINDS[kind]
+        command = [sys.executable, str(WORKER), how, peer]
+        self.outputs: list[list[str]] = []
+        self.procs: list[subprocess.Popen[str]] = []
+        if where == "launcher":
+            launcher = [sys.executable, "-m", "shardvmc.launch", "-n", "2", "--devices-per-process", "1", "--"]
+            self._start(launcher + command, env)
+        else:
+            coordinator = f"127.0.0.1:{free_port()}"
+            for i in range(2):
+                self._start(command, process_env(env, coordinator, 2, i, devices_per_process=1))
+
+    def _start(self, command: list[str], env: dict[str, str]) -> None:
+        proc = subprocess.Popen(
+            command,
+            cwd=ROOT,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        lines: list[str] = []
+        assert proc.stdout is not None
+        threading.Thread(target=lambda out=proc.stdout: lines.extend(iter(out.readline, "")), daemon=True).start()
+        self.procs.append(proc)
+        self.outputs.append(lines)
+
+    def text(self) -> str:
+        return "".join(line for lines in self.outputs for line in list(lines))
+
+    def ready_pid(self) -> int | None:
+        """Process 1's pid, once both processes said they are ready (``ready <pid>``)."""
+        if len(self.procs) == 2:  # without the launcher: one output per process
+            ready = all(any(line.startswith("ready ") for line in list(lines)) for lines in self.outputs)
+            return self.procs[1].pid if ready else None
+        pids = {}
+        for line in self.text().splitlines():  # the launcher's: each line prefixed with its process
+            words = line.split()
+            if words[1:2] == ["ready"]:
+                pids[words[0]] = int(words[2])
+        return pids.get("[1]") if len(pids) == 2 else None
+
+    def close(self, groups: list[int]) -> None:
+        """Kill the process groups of the run (the launcher's processes lead ``groups``), and reap."""
+        for pgid in [p.pid for p in self.procs] + groups:
+            try:
+                os.killpg(pgid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        for proc in self.procs:
+            proc.wait()
+
+
+def _children_groups(pid: int) -> list[int]:
+    """Process groups led by the children of ``pid`` (the launcher's processes)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(stat.parent.name))
+        except (OSError, IndexError, ValueError):
+            continue
+    return found
+
+
+def run_once(where: str, kind: str, env: dict[str, str]) -> tuple[float | None, list[int | None]]:
+    """Seconds from process 1's failure to the run's end (``None``: not within ``LIMIT_S``), and the exit codes."""
+    group = _Group(where, kind, env)
+    extra: list[int] = []
+    try:
+        deadline = time.monotonic() + LIMIT_S
+        while (pid := group.ready_pid()) is None:
+            if time.monotonic() > deadline or any(p.poll() is not None for p in group.procs):
+                raise RuntimeError(f"the processes did not start:\n{group.text()}")
+            time.sleep(0.05)
+        if where == "launcher":
+            extra = _children_groups(group.procs[0].pid)
+        if kind.startswith("SIG"):
+            failed_at = time.time()
+            os.kill(pid, getattr(signal, kind))
+        else:
+            while "failing at " not in group.text():
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"process 1 did not fail:\n{group.text()}")
+                time.sleep(0.01)
+            failed_at = float(group.text().split("failing at ")[1].split()[0])
+        while any(p.poll() is None for p in group.procs) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        ended = time.time()
+        codes = [p.poll() for p in group.procs]
+        return (ended - failed_at if all(c is not None for c in codes) else None), codes
+    finally:
+        group.close(extra)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kinds", default=",".join(KINDS), help="comma-separated, among " + ", ".join(KINDS))
+    parser.add_argument("--where", default="launcher,bare", help="launcher, bare, or both")
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--load", type=int, default=0, help="busy Python loops loading the CPU meanwhile")
+    args = parser.parse_args(argv)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SHARDVMC_")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH", "")]))
+    loads = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.load)]
+    rows = []
+    try:
+        for where in args.where.split(","):
+            for kind in args.kinds.split(","):
+                times, codes = [], []
+                for _ in range(args.reps):
+                    took, got = run_once(where, kind, env)
+                    times.append(took)
+                    codes.append(got)
+                    print(f"{where:8} {kind:8} {took if took is None else round(took, 2)} s, codes {got}", flush=True)
+                done = [t for t in times if t is not None]
+                figure = f"{statistics.median(done):.1f} [{min(done):.1f}, {max(done):.1f}]" if done else "-"
+                if len(done) < len(times):
+                    figure += f" ({len(times) - len(done)} not within {LIMIT_S:g} s)"
+                seen = sorted({tuple(c) for c in codes}, key=str)
+                rows.append(f"| {kind} | {where} | {figure} | {', '.join(str(list(c)) for c in seen)} |")
+    finally:
+        for load in loads:
+            load.kill()
+            load.wait()
+    took = f"median [min, max] of {args.reps} runs, {args.load} busy loops"
+    print(f"\nFrom the failure to the run's end, seconds, {took}:\n")
+    print("| failure of process 1 | where | seconds | exit codes |")
+    print("|---|---|---|---|")
+    print("\n".join(rows))
+
+
+if __name__ == "__main__":
+    main()
