@@ -12,8 +12,9 @@ process 0 computing). ``launcher``: the group runs under ``python -m shardvmc.la
 the time is from the failure to the launcher's exit. ``bare``: the processes are started
 without a launcher (as under a scheduler that does not stop the others), and the time is
 from the failure to the end of the last process: the peer is ended by JAX's coordination
-service once process 1's heartbeats stop. The failure's time is the one process 1 prints
-just before it fails, or when this script sends the signal. Figures: median and range
+service once process 1's heartbeats stop (each process's own end is printed too). The
+failure's time is the one process 1 prints just before it fails, or when this script sends
+the signal. Figures: median and range
 over ``--reps`` runs, in seconds, with the exit codes seen.
 """
 
@@ -91,41 +92,32 @@ class _Group:
                 pids[words[0]] = int(words[2])
         return pids.get("[1]") if len(pids) == 2 else None
 
-    def close(self, groups: list[int]) -> None:
-        """Kill the process groups of the run (the launcher's processes lead ``groups``), and reap."""
-        for pgid in [p.pid for p in self.procs] + groups:
+    def close(self) -> None:
+        """End what is left: SIGTERM first (a launcher then stops its processes), then SIGKILL to each group."""
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.terminate()
+                try:
+                    proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    pass
             try:
-                os.killpg(pgid, signal.SIGKILL)
+                os.killpg(proc.pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
-        for proc in self.procs:
             proc.wait()
 
 
-def _children_groups(pid: int) -> list[int]:
-    """Process groups led by the children of ``pid`` (the launcher's processes)."""
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                found.append(int(stat.parent.name))
-        except (OSError, IndexError, ValueError):
-            continue
-    return found
-
-
-def run_once(where: str, kind: str, env: dict[str, str]) -> tuple[float | None, list[int | None]]:
-    """Seconds from process 1's failure to the run's end (``None``: not within ``LIMIT_S``), and the exit codes."""
+def run_once(where: str, kind: str, env: dict[str, str]) -> tuple[list[float | None], list[int | None]]:
+    """When each process (the launcher, or each process of the group) ended, seconds after process 1's failure
+    (``None``: not within ``LIMIT_S``), and their exit codes."""
     group = _Group(where, kind, env)
-    extra: list[int] = []
     try:
         deadline = time.monotonic() + LIMIT_S
         while (pid := group.ready_pid()) is None:
             if time.monotonic() > deadline or any(p.poll() is not None for p in group.procs):
                 raise RuntimeError(f"the processes did not start:\n{group.text()}")
             time.sleep(0.05)
-        if where == "launcher":
-            extra = _children_groups(group.procs[0].pid)
         if kind.startswith("SIG"):
             failed_at = time.time()
             os.kill(pid, getattr(signal, kind))
@@ -135,13 +127,15 @@ def run_once(where: str, kind: str, env: dict[str, str]) -> tuple[float | None, 
                     raise RuntimeError(f"process 1 did not fail:\n{group.text()}")
                 time.sleep(0.01)
             failed_at = float(group.text().split("failing at ")[1].split()[0])
-        while any(p.poll() is None for p in group.procs) and time.monotonic() < deadline:
+        ends: list[float | None] = [None] * len(group.procs)
+        while None in ends and time.monotonic() < deadline:
+            for i, p in enumerate(group.procs):
+                if ends[i] is None and p.poll() is not None:
+                    ends[i] = time.time() - failed_at
             time.sleep(0.01)
-        ended = time.time()
-        codes = [p.poll() for p in group.procs]
-        return (ended - failed_at if all(c is not None for c in codes) else None), codes
+        return ends, [p.poll() for p in group.procs]
     finally:
-        group.close(extra)
+        group.close()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -160,10 +154,11 @@ def main(argv: list[str] | None = None) -> None:
             for kind in args.kinds.split(","):
                 times, codes = [], []
                 for _ in range(args.reps):
-                    took, got = run_once(where, kind, env)
-                    times.append(took)
+                    ends, got = run_once(where, kind, env)
+                    times.append(None if None in ends else max(e for e in ends if e is not None))
                     codes.append(got)
-                    print(f"{where:8} {kind:8} {took if took is None else round(took, 2)} s, codes {got}", flush=True)
+                    shown = ", ".join("-" if e is None else f"{e:.2f}" for e in ends)
+                    print(f"{where:8} {kind:8} ended after {shown} s, codes {got}", flush=True)
                 done = [t for t in times if t is not None]
                 figure = f"{statistics.median(done):.1f} [{min(done):.1f}, {max(done):.1f}]" if done else "-"
                 if len(done) < len(times):

@@ -13,18 +13,20 @@ Each process finds the group in its environment (``SHARDVMC_COORDINATOR_ADDRESS`
 deadlock workaround ``shardvmc.testing.CPU_SCHEDULER_FLAG``).
 
 Every output line is prefixed with its process index (``[0] ...``). The CPU collectives'
-connection messages (``[Gloo] Rank 0 is connected to 3 peer ranks. ...``, one per
-device and group) are left out unless ``--verbose``. The launcher exits
-with the first failing process's code (``128 + signal`` for a signal), or with 124 when
-``--timeout`` seconds pass; 0 when all succeed.
+connection messages (``[Gloo] Rank 0 is connected to 3 peer ranks. ...``, one per device
+and group, also when short of peers or merged by two threads) are left out unless
+``--verbose``. The launcher exits with the code of the first process that failed
+(``128 + signal`` for a signal), naming it, or with 124 when ``--timeout`` seconds pass; 0
+when all succeed. What the other processes then print as JAX's runtime aborts them (log
+lines, C++ stack traces) is left out and summarised, unless ``--verbose``.
 
 Stopping is bounded whatever the processes do: each process runs in its own session
 (process group), and stopping sends SIGTERM to every group, then SIGKILL to what is
-left after ``--grace`` seconds (JAX's preemption notifier catches SIGTERM and carries
-on, so the SIGKILL is what ends a busy or hung JAX process). The same happens when the
-launcher itself gets SIGINT (Ctrl-C) or SIGTERM: it exits with ``128 + signal`` and
-leaves no process of its groups behind. A process that fails with ``sys.exit(code)``
-or an uncaught exception after ``sv.distributed.initialize(fail_fast=True)`` leaves
+left after ``--grace`` seconds (once a program took preemption notices, JAX's notifier
+catches SIGTERM and carries on, so the SIGKILL is what ends a busy or hung JAX process).
+The same happens when the launcher itself gets SIGINT (Ctrl-C) or SIGTERM: it exits with
+``128 + signal`` and leaves no process of its groups behind. A process that fails with
+``sys.exit(code)`` or an uncaught exception after ``sv.distributed.initialize()`` leaves
 without waiting in JAX's shutdown barrier for its peers (see
 :func:`shardvmc.distributed.initialize`), so the launcher sees the failure at once.
 """
@@ -357,12 +359,14 @@ def launch(
         env: the base environment (default: this process's).
         stdout: where the prefixed output lines go (default: ``sys.stdout``).
         stderr: where the launcher's own messages go (default: ``sys.stderr``).
-        verbose: keep the CPU collectives' connection messages (gloo's ``[Gloo] Rank i is
-            connected to ...``), which are left out by default.
+        verbose: keep every line: the CPU collectives' connection messages (gloo's
+            ``[Gloo] Rank i is connected to ...``) and what JAX's runtime writes in the
+            other processes after one failed, which are left out by default.
 
     Returns:
-        0 when every process succeeded; else the first failing process's exit code
-        (``128 + signal`` for a signal), or 124 on timeout.
+        0 when every process succeeded; else the exit code of the process that failed
+        first (``128 + signal`` for a signal; a process that JAX's runtime aborted
+        because another failed is not the first), or 124 on timeout.
 
     Example:
         >>> import io, sys
@@ -539,7 +543,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--verbose",
         action="store_true",
-        help="keep the CPU collectives' connection messages ([Gloo] Rank i is connected to ...), left out by default",
+        help="keep every line: the CPU collectives' connection messages ([Gloo] Rank i is connected to ...) and "
+        "what JAX's runtime writes in the other processes after one failed, left out by default",
     )
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the program to run, after `--`")
     args = parser.parse_args(argv)

@@ -508,12 +508,7 @@ class _Started:
         return "".join(self._err)
 
     def wait_for(self, condition: Any, timeout: float = WAIT_S) -> bool:
-        deadline = time.monotonic() + timeout
-        while not condition():
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.05)
-        return True
+        return _wait_for(condition, timeout)
 
     def close(self) -> None:
         """Kill what is left, reap the launcher, read the last output and close the pipes."""
