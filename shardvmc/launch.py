@@ -118,8 +118,10 @@ def process_env(
 # std::cout writes the message in pieces (the literals below are separate strings in the library),
 # so the messages of two devices of one process, printed at the same time from two threads, can
 # merge: one line holds the pieces of both, and the line after it the rest of the other (a number,
-# or nothing). Every such line is left out: a line made only of these pieces, numbers and the list's
-# punctuation, and, after a merged line, the lines that complete it.
+# or nothing); a message can also end a line that the program was writing (Python's print writes
+# the text and its newline separately). Every such line is left out: a line made only of these
+# pieces, numbers and the list's punctuation, after a merged line the lines that complete it, and
+# the message at the end of a program's line (the program's text is kept, its newline joined to it).
 _GLOO_START = "[Gloo] Rank "
 _GLOO_PIECES = (
     _GLOO_START,
@@ -132,23 +134,37 @@ _GLOO_REST = re.compile(r"[\d\s,\]]*")  # the numbers and the list's punctuation
 
 
 class _GlooMessages:
-    """Recognises gloo's connection messages in one process's output, merged ones included."""
+    """Takes gloo's connection messages out of one process's output, merged ones included."""
 
     def __init__(self) -> None:
         self.unfinished = 0  # messages begun on a merged line and not ended by a newline yet
+        self.newline_owed = False  # a message ended a line of the program, whose own newline comes next
 
-    def __call__(self, line: str) -> bool:
-        begun = line.count(_GLOO_START)
-        if not begun and not self.unfinished:
-            return False
-        rest = line
+    @staticmethod
+    def _only_gloo(text: str) -> bool:
         for piece in _GLOO_PIECES:
-            rest = rest.replace(piece, "")
-        if not _GLOO_REST.fullmatch(rest):
-            self.unfinished = 0
-            return False
-        self.unfinished = max(0, self.unfinished + begun - 1)  # each line ends one message
-        return True
+            text = text.replace(piece, "")
+        return _GLOO_REST.fullmatch(text) is not None
+
+    def __call__(self, line: str) -> str | None:
+        """``line`` without gloo's messages; ``None`` when nothing of it is left to write."""
+        owed, self.newline_owed = self.newline_owed, False
+        if owed and not line:
+            return None  # the newline of the program's line that a message ended
+        start = line.find(_GLOO_START)
+        if start < 0 and not self.unfinished:
+            return line
+        if self._only_gloo(line):
+            self.unfinished = max(0, self.unfinished + line.count(_GLOO_START) - 1)  # each line ends one
+            return None
+        if start > 0 and self._only_gloo(line[start:]):
+            # the program wrote a line in two writes (Python's print: the text, then its newline) and gloo's
+            # message came between them: the program's text, and its newline on the next line
+            self.unfinished = max(0, line.count(_GLOO_START) - 1)
+            self.newline_owed = True
+            return line[:start]
+        self.unfinished = 0
+        return line
 
 
 # What JAX's runtime writes when it ends a process: absl log lines (W: warning, E: error, F: fatal),
@@ -199,8 +215,10 @@ class _Output:
             if self.verbose:
                 self._write(index, [line])
                 return
-            if self.gloo[index](line):
+            kept = self.gloo[index](line)
+            if kept is None:
                 return
+            line = kept
             if _TERMINATED_BY_RUNTIME in line:
                 self.terminated[index] = True
             consequence = bool(self.failed) and index not in self.failed

@@ -833,7 +833,8 @@ def _forwarded(text: str) -> list[str]:
 def test_connection_messages_of_two_threads_merged_in_any_order_are_left_out():
     """The flake of the gloo test, reproduced deterministically: a line that held pieces of two messages got
     through. Every merge of two devices' messages is left out, the program's line after them kept (as is a
-    number it prints, which is what the rest of a merged message can look like, when no merge came before)."""
+    number it prints, which is what the rest of a merged message can look like, when no merge came before),
+    also when the merge came in the middle of the program's own line."""
     a, b = _gloo_pieces(0, 3, 3), _gloo_pieces(1, 3, 3)
     merges = [_merge(a, b, set(pos)) for pos in itertools.combinations(range(len(a) + len(b)), len(a))]
     assert len(merges) == 12870 and any(len(m.splitlines()) == 2 and m.count("[Gloo]") == 2 for m in merges)
@@ -843,7 +844,11 @@ def test_connection_messages_of_two_threads_merged_in_any_order_are_left_out():
     merges += [_merge(short, a, set(rng.sample(range(len(short) + len(a)), len(short)))) for _ in range(3000)]
     for text in merges:
         assert _forwarded(text + "hi\n3\n") == ["[0] hi", "[0] 3"], repr(text)
+        # The program's print wrote "hello", then its newline after gloo's first flush (one line of the merge)
+        first, _, rest = text.partition("\n")
+        assert _forwarded(f"hello{first}\n\n{rest}bye\n") == ["[0] hello", "[0] bye"], repr(text)
     assert _forwarded("3\n") == ["[0] 3"]
+    assert _forwarded("\n\n") == ["[0] ", "[0] "]  # the program's empty lines are its own
 
 
 def test_launcher_timeout():
