@@ -147,6 +147,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     env = {k: v for k, v in os.environ.items() if not k.startswith("SHARDVMC_")}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH", "")]))
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))  # clean up (finally) on SIGTERM too
     loads = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.load)]
     rows = []
     try:

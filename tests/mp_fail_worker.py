@@ -2,7 +2,7 @@
 
 ``python mp_fail_worker.py HOW PEER [FILE]`` in every process of a group (launched, or started with
 ``shardvmc.launch.process_env``). Each process joins with ``sv.distributed.initialize()`` (its
-defaults), computes once, prints ``ready <pid>``, then:
+defaults), computes once with the others (an all-gather), prints ``ready <pid>``, then:
 
 - ``exit``: process 1 calls ``sys.exit(3)``;
 - ``raise``: process 1 raises an uncaught exception;
@@ -29,13 +29,14 @@ if how == "ok":
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+from jax.experimental import multihost_utils  # noqa: E402
 
 import shardvmc as sv  # noqa: E402
 
 sv.distributed.initialize()
 me = jax.process_index()
-x = jnp.arange(4.0).sum()
-print(f"ready {os.getpid()} {float(x)}", flush=True)
+x = multihost_utils.process_allgather(jnp.arange(4.0).sum())  # a collective: every process got here
+print(f"ready {os.getpid()} {x.tolist()}", flush=True)
 
 failing = 0 if how == "coordinator" else 1
 if me == failing and how in ("exit", "raise", "coordinator"):
