@@ -167,29 +167,27 @@ class _GlooMessages:
         return line
 
 
-# What JAX's runtime writes when it ends a process: absl log lines (W: warning, E: error, F: fatal),
-# the stack trace of a fatal one, and C++'s terminate. After another process failed, these are the
-# consequences in the others (the coordination service aborting them), left out unless --verbose.
-_RUNTIME_LOG = re.compile(r"[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ [^ \]]+:\d+\] ")
-_RUNTIME_ERROR = re.compile(
-    r"[WEF]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ [^ \]]+:\d+\] "
-    r"|\*\*\* Check failure stack trace: \*\*\*"
-    r"|terminate called "
+# What JAX's runtime writes: absl log lines (severity I, W, E, F), the stack trace of a fatal one,
+# C++'s terminate. After another process failed, these are the consequences in the others (the
+# coordination service aborting them, JAX's notifier catching the launcher's SIGTERM).
+_RUNTIME_LOG = re.compile(
+    r"[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ [^ \]]+:\d+\] |\*\*\* Check failure stack trace: \*\*\*|terminate called "
 )
 # JAX's runtime ending a process because another one is gone (heartbeats stopped, the coordinator
 # unreachable, the shutdown barrier failed): its fatal message says "Terminating process because ...".
 _TERMINATED_BY_RUNTIME = "Terminating process because"
-_HOLD_S = 2.0  # how long a running process's runtime error lines wait for a failure elsewhere
+_HOLD_S = 2.0  # how long a running process's runtime warnings and errors wait for a failure elsewhere
 
 
 class _Output:
     """The processes' output, as the forwarding threads read it: prefixed, filtered, written to ``out``.
 
-    Runtime error lines (``_RUNTIME_ERROR``) of a process are held back, with the lines after
-    them, until it is clear whose they are: those of the process that failed first, or of a
-    process that keeps running (after ``_HOLD_S``) or succeeds, are written; those of the
-    other processes after a failure are consequences, left out and counted. After a failure
-    the other processes' runtime log lines are left out too. ``verbose`` writes every line.
+    A process's runtime warning or error (a ``_RUNTIME_LOG`` line but an info) is held back, with the lines
+    after it, until it is clear whose it is: written if the process keeps running (after
+    ``_HOLD_S``), succeeds, or is the one that failed first. Once a process failed, every line
+    of the others is held until they end; then what JAX's runtime wrote is left out and
+    counted: from its first line on in a process that the runtime terminated (a
+    consequence), its log lines alone in the others. ``verbose`` writes every line at once.
     """
 
     def __init__(self, processes: int, out: IO[str], lock: threading.Lock, verbose: bool) -> None:
@@ -197,7 +195,6 @@ class _Output:
         self.gloo = [_GlooMessages() for _ in range(processes)]
         self.held: list[list[str]] = [[] for _ in range(processes)]
         self.held_since = [0.0] * processes
-        self.quiet = [False] * processes  # the rest of this process's output is a consequence
         self.terminated = [False] * processes  # JAX's runtime said it ends this process
         self.left_out = [0] * processes
         self.failed: set[int] = set()  # processes that failed before the launcher stopped anyone
@@ -218,37 +215,37 @@ class _Output:
             kept = self.gloo[index](line)
             if kept is None:
                 return
-            line = kept
-            if _TERMINATED_BY_RUNTIME in line:
-                self.terminated[index] = True
-            consequence = bool(self.failed) and index not in self.failed
-            if self.quiet[index] or (consequence and _RUNTIME_LOG.match(line)):
-                self.left_out[index] += 1
-                self.quiet[index] = self.quiet[index] or bool(_RUNTIME_ERROR.match(line))
-            elif self.held[index]:
-                self.held[index].append(line)
-            elif _RUNTIME_ERROR.match(line):
-                self.held[index], self.held_since[index] = [line], time.monotonic()
+            self.terminated[index] = self.terminated[index] or _TERMINATED_BY_RUNTIME in kept
+            after_a_failure = bool(self.failed) and index not in self.failed
+            trouble = _RUNTIME_LOG.match(kept) is not None and not kept.startswith("I")
+            if self.held[index] or after_a_failure or trouble:
+                if not self.held[index]:
+                    self.held_since[index] = time.monotonic()
+                self.held[index].append(kept)
             else:
-                self._write(index, [line])
+                self._write(index, [kept])
+
+    def _leave_out_runtime(self, index: int, lines: list[str]) -> list[str]:
+        """A consequence's lines without the runtime's: all from its first in a process the runtime ended."""
+        first = next((i for i, line in enumerate(lines) if _RUNTIME_LOG.match(line)), len(lines))
+        kept = lines[:first] if self.terminated[index] else [line for line in lines if not _RUNTIME_LOG.match(line)]
+        self.left_out[index] += len(lines) - len(kept)
+        return kept
 
     def settle(self, ended: Mapping[int, int], final: bool = False) -> None:
-        """Write or leave out held lines whose owner is now clear (``final``: every process has ended)."""
+        """Write held lines whose owner is clear now (``final``: every process has ended or been stopped)."""
         with self.lock:
             now = time.monotonic()
             for index, lines in enumerate(self.held):
-                if not lines:
+                if not lines or (self.failed and self.cause is None and not final):
+                    continue  # nothing held, or the launcher has yet to name the failure that came first
+                if self.failed and index != self.cause:
+                    if index not in ended and not final:
+                        continue  # it is being stopped: its last lines may yet come
+                    lines = self._leave_out_runtime(index, lines)
+                elif not (index in ended or index == self.cause or final or now - self.held_since[index] > _HOLD_S):
                     continue
-                consequence = (
-                    self.failed and index != self.cause and (index not in self.failed or self.terminated[index])
-                )
-                if consequence and (self.cause is not None or final):
-                    self.left_out[index] += len(lines)
-                    self.quiet[index] = True
-                elif index in ended or index == self.cause or now - self.held_since[index] > _HOLD_S or final:
-                    self._write(index, lines)
-                else:
-                    continue
+                self._write(index, lines)
                 self.held[index] = []
 
 
