@@ -3,6 +3,7 @@
     python benchmarks/failfast.py                      # every kind, with and without the launcher, 3 runs each
     python benchmarks/failfast.py --load 2             # the same with 2 busy loops loading the CPU
     python benchmarks/failfast.py --where launcher --kinds exit,SIGKILL --reps 5
+    python benchmarks/failfast.py --hold 45 --heartbeat 4 --load 2   # healthy runs: the heartbeat goes on
 
 Each run is a group of 2 processes of 1 fake CPU device running ``tests/mp_fail_worker.py``
 (the program of the fail-fast tests) with ``sv.distributed.initialize()``'s defaults. Process
@@ -16,6 +17,12 @@ service once process 1's heartbeats stop (each process's own end is printed too)
 failure's time is the one process 1 prints just before it fails, or when this script sends
 the signal. Figures: median and range
 over ``--reps`` runs, in seconds, with the exit codes seen.
+
+``--hold S``: healthy runs instead, under the launcher, whose processes each hold the
+interpreter lock for ``S`` seconds in one call (a regular-expression match that
+backtracks) before they meet (an all-gather) and succeed, with ``--heartbeat`` as the
+heartbeat timeout: exit code 0 shows that the heartbeats, sent by a thread of JAX's
+runtime, went on meanwhile.
 """
 
 from __future__ import annotations
@@ -138,12 +145,28 @@ def run_once(where: str, kind: str, env: dict[str, str]) -> tuple[list[float | N
         group.close()
 
 
+def run_hold(env: dict[str, str], hold: float, heartbeat: int | None) -> tuple[int, list[float]]:
+    """A healthy run whose processes hold the interpreter lock ``hold`` seconds: its exit code, the seconds held."""
+    env = {**env, **({"MP_FAIL_WORKER_HEARTBEAT_S": str(heartbeat)} if heartbeat else {})}
+    launcher = [sys.executable, "-m", "shardvmc.launch", "-n", "2", "--devices-per-process", "1"]
+    command = [*launcher, "--timeout", str(LIMIT_S), "--", sys.executable, str(WORKER), "hold", str(hold)]
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=LIMIT_S + 60)
+    held = [float(line.split(" for ")[1].split()[0]) for line in done.stdout.splitlines() if "held the" in line]
+    if done.returncode != 0:
+        print(done.stdout + done.stderr, flush=True)
+    return done.returncode, held
+
+
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--kinds", default=",".join(KINDS), help="comma-separated, among " + ", ".join(KINDS))
     parser.add_argument("--where", default="launcher,bare", help="launcher, bare, or both")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--load", type=int, default=0, help="busy Python loops loading the CPU meanwhile")
+    parser.add_argument(
+        "--hold", type=float, default=None, metavar="S", help="instead: healthy runs holding the interpreter lock S s"
+    )
+    parser.add_argument("--heartbeat", type=int, default=None, metavar="H", help="with --hold: heartbeat timeout")
     args = parser.parse_args(argv)
     env = {k: v for k, v in os.environ.items() if not k.startswith("SHARDVMC_")}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH", "")]))
@@ -151,6 +174,11 @@ def main(argv: list[str] | None = None) -> None:
     loads = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.load)]
     rows = []
     try:
+        if args.hold is not None:
+            for _ in range(args.reps):
+                code, held = run_hold(env, args.hold, args.heartbeat)
+                print(f"held the lock for {held} s with a heartbeat timeout of {args.heartbeat} s: exit code {code}")
+            return
         for where in args.where.split(","):
             for kind in args.kinds.split(","):
                 times, codes = [], []
