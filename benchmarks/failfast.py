@@ -36,6 +36,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "mp_fail_worker.py"
@@ -58,6 +59,7 @@ class _Group:
         how, peer = KINDS[kind]
         command = [sys.executable, str(WORKER), how, peer]
         self.outputs: list[list[str]] = []
+        self.arrivals: list[list[float]] = []  # when each line was read
         self.procs: list[subprocess.Popen[str]] = []
         if where == "launcher":
             launcher = [sys.executable, "-m", "shardvmc.launch", "-n", "2", "--devices-per-process", "1", "--"]
@@ -79,10 +81,25 @@ class _Group:
             start_new_session=True,
         )
         lines: list[str] = []
-        assert proc.stdout is not None
-        threading.Thread(target=lambda out=proc.stdout: lines.extend(iter(out.readline, "")), daemon=True).start()
+        arrivals: list[float] = []
+
+        def read(out: Any = proc.stdout) -> None:
+            for line in iter(out.readline, ""):
+                arrivals.append(time.time())
+                lines.append(line)
+
+        threading.Thread(target=read, daemon=True).start()
         self.procs.append(proc)
         self.outputs.append(lines)
+        self.arrivals.append(arrivals)
+
+    def seen(self, text: str) -> float | None:
+        """When a line holding ``text`` was read (the first one), or ``None``."""
+        for lines, arrivals in zip(self.outputs, self.arrivals):
+            for line, at in zip(list(lines), list(arrivals)):
+                if text in line:
+                    return at
+        return None
 
     def text(self) -> str:
         return "".join(line for lines in self.outputs for line in list(lines))
@@ -117,7 +134,7 @@ class _Group:
 
 def run_once(where: str, kind: str, env: dict[str, str]) -> tuple[list[float | None], list[int | None]]:
     """When each process (the launcher, or each process of the group) ended, seconds after process 1's failure
-    (``None``: not within ``LIMIT_S``), and their exit codes."""
+    (``None``: not within ``LIMIT_S``), then when JAX's runtime said it ends a process; and the exit codes."""
     group = _Group(where, kind, env)
     try:
         deadline = time.monotonic() + LIMIT_S
@@ -140,7 +157,8 @@ def run_once(where: str, kind: str, env: dict[str, str]) -> tuple[list[float | N
                 if ends[i] is None and p.poll() is not None:
                     ends[i] = time.time() - failed_at
             time.sleep(0.01)
-        return ends, [p.poll() for p in group.procs]
+        told = group.seen("Terminating process because")  # when JAX's runtime said it ends a process
+        return ends + [None if told is None else told - failed_at], [p.poll() for p in group.procs]
     finally:
         group.close()
 
@@ -184,10 +202,12 @@ def main(argv: list[str] | None = None) -> None:
                 times, codes = [], []
                 for _ in range(args.reps):
                     ends, got = run_once(where, kind, env)
+                    *ends, told = ends
                     times.append(None if None in ends else max(e for e in ends if e is not None))
                     codes.append(got)
                     shown = ", ".join("-" if e is None else f"{e:.2f}" for e in ends)
-                    print(f"{where:8} {kind:8} ended after {shown} s, codes {got}", flush=True)
+                    said = "" if told is None else f" (JAX's runtime said it ends a process at {told:.2f} s)"
+                    print(f"{where:8} {kind:8} ended after {shown} s{said}, codes {got}", flush=True)
                 done = [t for t in times if t is not None]
                 figure = f"{statistics.median(done):.1f} [{min(done):.1f}, {max(done):.1f}]" if done else "-"
                 if len(done) < len(times):

@@ -295,7 +295,7 @@ def initialize(
     local_device_ids: int | Sequence[int] | None = None,
     *,
     fail_fast: bool = True,
-    heartbeat_timeout_seconds: int = 15,
+    heartbeat_timeout_seconds: int = 10,
     shutdown_timeout_seconds: int = 300,
     **kwargs: Any,
 ) -> None:

@@ -1049,7 +1049,7 @@ def test_initialize_passes_its_timeouts_to_jax_and_watches_for_failing_exits(ini
     exit_before = sys.exit
     sv.distributed.initialize("127.0.0.1:1", num_processes=2, process_id=0)
     [(kwargs, _)] = initialize_without_a_group
-    assert kwargs["heartbeat_timeout_seconds"] == 15 and kwargs["shutdown_timeout_seconds"] == 300
+    assert kwargs["heartbeat_timeout_seconds"] == 10 and kwargs["shutdown_timeout_seconds"] == 300
     assert exit_watch.active and sys.exit is not exit_before and sys.exit.__wrapped__ is exit_before
 
 
