@@ -504,6 +504,8 @@ def _launch(
 def _say_consequences(say: Callable[[str], None], output: _Output, cause: int, codes: Mapping[int, int]) -> None:
     """One line for each other process that ended by itself after the failure, one for the lines left out."""
     for i in sorted(output.failed - {cause}):
+        if i not in codes:  # pragma: no cover - not reaped: a process SIGKILL did not end
+            continue
         if output.terminated[i]:
             say(f"process {i} ended as a consequence ({_ending(codes[i], short=True)}).")
         else:
