@@ -16,6 +16,7 @@ from ._caches import clear_caches as clear_caches
 from ._checkpoint import RESIZED as RESIZED
 from ._checkpoint import Checkpoint as Checkpoint
 from ._checkpoint import Checkpointer as Checkpointer
+from ._checkpoint import DamagedCheckpointWarning as DamagedCheckpointWarning
 from ._checkpoint import load_state as load_state
 from ._checkpoint import load_walkers as load_walkers
 from ._checkpoint import save_state as save_state
@@ -27,6 +28,7 @@ from ._decorator import walker_parallel as walker_parallel
 from ._errors import ArgumentsError as ArgumentsError
 from ._errors import CallError as CallError
 from ._errors import CheckpointNotFoundError as CheckpointNotFoundError
+from ._errors import DamagedCheckpointError as DamagedCheckpointError
 from ._errors import DecorationError as DecorationError
 from ._errors import ShardvmcError as ShardvmcError
 from ._errors import UnhashableStaticError as UnhashableStaticError
@@ -79,6 +81,8 @@ __all__ = [
     "CheckpointNotFoundError",
     "Checkpointer",
     "CommunicationWarning",
+    "DamagedCheckpointError",
+    "DamagedCheckpointWarning",
     "DecorationError",
     "Explanation",
     "ExplanationEntry",

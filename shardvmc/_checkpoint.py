@@ -14,9 +14,11 @@ from __future__ import annotations
 import atexit
 import contextlib
 import functools
+import hashlib
 import json
 import os
 import threading
+import warnings
 import weakref
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -28,8 +30,8 @@ import numpy as np
 from jax.core import Tracer
 from jax.sharding import Mesh, NamedSharding
 
-from . import _compat, _npz
-from ._errors import CallError, CheckpointNotFoundError, message
+from . import _checksum, _compat, _npz, _orbax_compat
+from ._errors import CallError, CheckpointNotFoundError, DamagedCheckpointError, message, user_stacklevel
 from ._mesh import get_replicated_sharding, get_walker_sharding, resolve_mesh
 from ._placement import pad_n_walkers
 from ._walkerset import WalkerSet, check_n_valid, split_walker_set, walker_count
@@ -38,6 +40,7 @@ __all__ = [
     "RESIZED",
     "Checkpoint",
     "Checkpointer",
+    "DamagedCheckpointWarning",
     "load_state",
     "load_walkers",
     "save_state",
@@ -46,11 +49,22 @@ __all__ = [
 ]
 
 _ARRAYS, _HEADER = "arrays", "shardvmc"  # the orbax items: every stored array (keyed by leaf index); the header
+_STEP_FILES = (_ARRAYS, _HEADER, "_CHECKPOINT_METADATA", "commit_success.txt")  # any of them: a step directory
 _KINDS = ("walker", "array", "numpy", "python")
 INSTALL = "pip install 'shardvmc[checkpoint]'"
 """How to install what checkpoints need (orbax-checkpoint)."""
 RESIZED = "shardvmc.resized"
 """Metadata key a restore adds when it restored another number of walkers than saved."""
+_VERSION = 2  # 1: shardvmc 0.3 (no checksums) and 0.2.0's files; 2: checksums of the header and of every array
+
+
+class DamagedCheckpointWarning(UserWarning):
+    """A restore of a directory's newest step skipped damaged steps, and restored an older, intact one.
+
+    The message names the steps skipped and why. A run that resumes from a checkpoint
+    directory recomputes the steps after the one restored, so it loses time, not data.
+    """
+
 
 _LIVE: weakref.WeakSet[Checkpointer] = weakref.WeakSet()  # whose writes wait_for_saves() and exit wait for
 _PENDING: dict[Path, tuple[threading.Thread, list[BaseException]]] = {}  # save_state's writes, by directory
@@ -71,8 +85,15 @@ def _orbax() -> Any:
 def _manager(directory: Path, keep: int | None = 1, asynchronous: bool = False, write: bool = True) -> Any:
     """An orbax manager of ``directory`` (``write=False``: one that only reads, and creates nothing)."""
     ocp = _orbax()
+    # lightweight_initialize: the manager lists the committed steps without reading their orbax metadata files
+    # (commit times, metrics), so one step's malformed _CHECKPOINT_METADATA cannot stop the directory opening;
+    # a step's own files are checked when that step is restored.
     options = ocp.CheckpointManagerOptions(
-        max_to_keep=keep, enable_async_checkpointing=asynchronous, cleanup_tmp_directories=write, create=write
+        max_to_keep=keep,
+        enable_async_checkpointing=asynchronous,
+        cleanup_tmp_directories=write,
+        create=write,
+        lightweight_initialize=True,
     )
     return ocp.CheckpointManager(directory, options=options, item_names=(_ARRAYS, _HEADER))
 
@@ -214,9 +235,55 @@ def _prepare(where: str, state: Any, metadata: Any) -> tuple[dict[str, Any], dic
         else:  # a copy the caller may change at once; an array on this process's devices only travels as host data
             arrays[str(i)] = np.array(leaf, dtype=None if entry["key_impl"] else dtype, copy=True)
         entries.append(entry)
+    for key in list(arrays):  # each array's checksums, computed where it lives and stored as it is
+        arrays[_CHECKSUM + key] = _checksum_of(arrays[key], entries[int(key)]["kind"])
     saved_on = {"devices": jax.device_count(), "processes": jax.process_count()}
-    header = dict(format=_npz.FORMAT, version=1, leaves=entries, walker_sets=sets, metadata=meta, saved_on=saved_on)
+    header = dict(format=_npz.FORMAT, version=_VERSION, leaves=entries, walker_sets=sets, metadata=meta)
+    header["saved_on"] = saved_on
+    header["digest"] = _digest(header)
     return header, arrays
+
+
+_CHECKSUM = "checksum"  # the checksums of stored array "<i>" are stored array "checksum<i>"
+
+
+def _checksum_of(value: Any, kind: str) -> Any:
+    """The checksums of a stored array: a row's each of a walker leaf's, else one; host data stays host data."""
+    if kind == "numpy":
+        return _checksum.host_checksum(value)
+    device = value if isinstance(value, jax.Array) else jnp.asarray(value)  # (a JAX dtype: _prepare converted it)
+    sums = _checksum.row_checksums(device) if kind == "walker" else _checksum.checksum(device)
+    return sums if isinstance(value, jax.Array) else np.asarray(sums)
+
+
+def _digest(header: dict[str, Any]) -> str:
+    """The checksum of a header (SHA-256 of its canonical JSON, its own ``digest`` left out)."""
+    text = json.dumps({k: v for k, v in header.items() if k != "digest"}, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _stored_struct_of(header: dict[str, Any], key: str) -> tuple[tuple[int, ...], Any]:
+    """Shape and dtype of stored array ``key`` (a leaf's, or its checksums') as the header describes it."""
+    if key.startswith(_CHECKSUM):
+        entry = header["leaves"][int(key[len(_CHECKSUM) :])]
+        return ((entry["shape"][0], 2) if entry["kind"] == "walker" else (2,)), np.dtype(np.uint32)
+    return _stored_struct(header["leaves"][int(key)])
+
+
+def _verify(header: dict[str, Any], arrays: dict[str, Any], broken: Callable[..., CallError]) -> None:
+    """Every array read against its stored checksums (one transfer of one flag per leaf); damage raises."""
+    checked = []
+    for i, entry in enumerate(header["leaves"]):
+        if str(i) in arrays:  # (Python values are the header's: its digest checks them)
+            rows = entry["shape"][0] if entry["kind"] == "walker" else None
+            checked.append((entry["path"], _checksum.differs(arrays[str(i)], arrays[_CHECKSUM + str(i)], rows)))
+    flags = jax.device_get([flag for _, flag in checked])
+    damaged = [name for (name, _), flag in zip(checked, flags) if flag]
+    if damaged:
+        raise broken(
+            f"has array data that does not match its checksums, in leaf {', '.join(damaged)}.",
+            "the data was changed after it was written (a disk or file-system fault, or a hand edit)",
+        )
 
 
 def _check_step(where: str, step: Any) -> int:
@@ -247,13 +314,28 @@ def _settle(directory: Path | None = None) -> None:
         raise errors[0]
 
 
-def _save_once(where: str, path: str | os.PathLike[str], state: Any, metadata: Any, asynchronous: bool) -> Path:
-    """Save ``state`` as the one step kept at ``path``, with a manager that ends with the write."""
-    header, arrays = _prepare(where, state, metadata)
-    directory = Path(path).absolute()
+def _directory_to_write(where: str, path: Path) -> Path:
+    """``path`` made absolute, created if missing; a ``CallError`` for what cannot hold checkpoints.
+
+    Checked before orbax sees it: orbax would otherwise fail in a background thread (a file
+    where the directory should be) or with a bare ``OSError``.
+    """
+    directory = path.absolute()
     if directory.is_file():
         problem = f"{str(path)!r} is a file (a walker file of shardvmc 0.2.0?), not a checkpoint directory."
         raise _error(where, problem, "save to another path; sv.load_walkers still reads this file.")
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        problem, got = f"the checkpoint directory {str(path)!r} cannot be created.", f"{type(err).__name__}: {err}"
+        raise _error(where, problem, "pass a directory this process can write.", got) from None
+    return directory
+
+
+def _save_once(where: str, path: str | os.PathLike[str], state: Any, metadata: Any, asynchronous: bool) -> Path:
+    """Save ``state`` as the one step kept at ``path``, with a manager that ends with the write."""
+    header, arrays = _prepare(where, state, metadata)
+    directory = _directory_to_write(where, Path(path))
     _settle(directory)
     manager = _manager(directory, keep=1, asynchronous=asynchronous)
     try:
@@ -303,7 +385,7 @@ def _check_header(header: Any, broken: Callable[..., CallError]) -> None:
 
     if not isinstance(header, dict) or header.get("format") != _npz.FORMAT:
         raise broken("is not a shardvmc state checkpoint (its header is another program's).")
-    if header.get("version") != 1 or type(header.get("version")) is not int:
+    if header.get("version") not in (1, _VERSION) or type(header.get("version")) is not int:
         raise broken(f"is format version {header.get('version')!r}, which this shardvmc cannot read.")
     sets, entries = header.get("walker_sets"), header.get("leaves")
     if not isinstance(header.get("metadata"), dict):
@@ -340,6 +422,8 @@ def _check_header(header: Any, broken: Callable[..., CallError]) -> None:
             if shape[0] != sets[k]["n_walkers"]:
                 walkers = f"{sets[k]['path']} {sets[k]['n_walkers']}"
                 raise broken(f"is inconsistent: leaf {name} holds {shape[0]} walkers, its walker set {walkers}.")
+    if header["version"] >= 2 and header.get("digest") != _digest(header):  # last: a field's own error comes first
+        raise broken("has a header that does not match its checksum: it was changed after it was written.")
 
 
 _BAD = object()
@@ -476,7 +560,13 @@ def _restore(
             specs[str(i)] = (auto, (pad_n_walkers(targets[entry["set"]], n_shards), *shape[1:]), dtype)
         elif entry["kind"] != "python":
             specs[str(i)] = (get_replicated_sharding(mesh) if entry["kind"] == "array" else None, shape, dtype)
+    if header["version"] >= 2:  # each array's checksums, read as the array is (a walker leaf's: the same rows)
+        for key, (sharding, shape, _) in list(specs.items()):
+            rows = shape[:1] if header["leaves"][int(key)]["kind"] == "walker" else ()
+            specs[_CHECKSUM + key] = (sharding, (*rows, 2), np.dtype(np.uint32))
     arrays = read(specs) if specs else {}
+    if header["version"] >= 2:
+        _verify(header, arrays, broken)
     leaves = []
     for i, entry in enumerate(header["leaves"]):
         if entry["kind"] == "python":
@@ -509,7 +599,8 @@ def _restore_step(
 
     def broken(problem: str, got: str | None = None) -> CallError:
         fix = "restore another step (Checkpointer.steps() lists them); a checkpoint is only committed once complete"
-        return _error(where, f"the checkpoint {str(directory)!r} {problem}", fix + ", so this one was damaged.", got)
+        problem = f"the checkpoint {str(directory)!r} (step {step}) {problem}"
+        return DamagedCheckpointError(message(where, problem, got=got, fix=fix + ", so this one was damaged."))
 
     try:
         header = manager.restore(step, args=ocp.args.Composite(**{_HEADER: ocp.args.JsonRestore()}))[_HEADER]
@@ -517,25 +608,30 @@ def _restore_step(
         raise broken("has no readable header.", f"{type(err).__name__}: {err}") from None
 
     def read(specs: dict[str, Any]) -> dict[str, Any]:
-        # orbax-checkpoint 0.12.8 raises on the first read that fails and leaves the others running on a closed event
-        # loop (unraisable errors later, in other code): the stored arrays' metadata is checked before any read.
+        # What can be checked before orbax reads concurrently is checked first: the storage index, sequentially,
+        # then the stored arrays' shapes and dtypes; a read that still fails is kept quiet (_orbax_compat).
         from etils import epath  # orbax-checkpoint's own path type (installed with it)
 
         handler = ocp.PyTreeCheckpointHandler()
         try:
-            stored = dict(handler.metadata(epath.Path(directory / _ARRAYS)).tree)
+            _orbax_compat.check_index(directory / _ARRAYS)
+            with _orbax_compat.quiet_failed_reads(directory):
+                stored = dict(handler.metadata(epath.Path(directory / _ARRAYS)).tree)
         except Exception as err:
             raise broken("has arrays that cannot be read.", f"{type(err).__name__}: {err}") from None
         finally:
             handler.close()
-        for key, (_, _, dtype) in specs.items():
-            entry, meta = header["leaves"][int(key)], stored.get(key)
-            shape = _stored_struct(entry)[0]
-            if meta is None or tuple(meta.shape) != shape or np.dtype(meta.dtype) != np.dtype(dtype):
-                got = meta and f"stored {np.dtype(meta.dtype)}{list(meta.shape)}, header {np.dtype(dtype)}{list(shape)}"
-                raise broken(
-                    f"is inconsistent: leaf {entry['path']} is stored as another array than its header says.", got
-                )
+        for key in specs:
+            (shape, dtype), meta = _stored_struct_of(header, key), stored.get(key)
+            try:
+                stored_as = meta and (tuple(meta.shape), np.dtype(meta.dtype))
+            except (AttributeError, TypeError):  # orbax's metadata of a value it would not read (skip_deserialize)
+                stored_as = None
+            if stored_as != (shape, np.dtype(dtype)):
+                got = stored_as and f"stored {stored_as[1]}{list(stored_as[0])}, header {np.dtype(dtype)}{list(shape)}"
+                name = header["leaves"][int(key.removeprefix(_CHECKSUM))]["path"]
+                what = "the checksums of leaf" if key.startswith(_CHECKSUM) else "leaf"
+                raise broken(f"is inconsistent: {what} {name} is stored as another array than its header says.", got)
         restore_args = {
             key: ocp.RestoreArgs(restore_type=np.ndarray)
             if sharding is None
@@ -544,7 +640,8 @@ def _restore_step(
         }
         try:
             args = ocp.args.Composite(**{_ARRAYS: ocp.args.PyTreeRestore(restore_args=restore_args)})
-            return manager.restore(step, args=args)[_ARRAYS]
+            with _orbax_compat.quiet_failed_reads(directory):
+                return manager.restore(step, args=args)[_ARRAYS]
         except Exception as err:
             raise broken("has arrays that cannot be read.", f"{type(err).__name__}: {err}") from None
 
@@ -558,18 +655,84 @@ def _load(
     if not path.exists():
         raise CheckpointNotFoundError(f"{where}: {str(path)!r} does not exist.")
     directory, step = path.absolute(), None
-    if (directory / _HEADER).is_dir() and directory.name.isdigit():
+    if directory.name.isdigit() and any((directory / name).exists() for name in _STEP_FILES):
         directory, step = directory.parent, int(directory.name)
     _settle(directory)  # a write of this process to this directory finishes first
     manager = _manager(directory, keep=None, write=False)
     try:
-        if step is None and not manager.all_steps():
-            fix = "pass a directory written by sv.save_state, sv.save_walkers or sv.Checkpointer (or one of its steps)."
-            raise _error(where, f"{str(path)!r} holds no shardvmc state checkpoint.", fix)
-        step = max(manager.all_steps()) if step is None else step
-        return _restore_step(where, manager, step, like, mesh, axis_name, n_walkers)
+        return _restore_kept(where, manager, step, like, mesh, axis_name, n_walkers)
     finally:
         manager.close()
+
+
+def _agreed(ok: bool) -> bool:
+    """Whether ``ok`` on every process: a restore counts only where every process read its part intact."""
+    if jax.process_count() == 1:
+        return ok
+    from jax.experimental import multihost_utils
+
+    return bool(np.all(multihost_utils.process_allgather(np.int32(ok))))
+
+
+def _restore_kept(
+    where: str, manager: Any, step: int | None, like: Any, mesh: Mesh | None, axis_name: str, n_walkers: int | None
+) -> tuple[Any, dict[str, Any]]:
+    """Step ``step`` of ``manager``'s directory, or (``None``) its newest intact step, skipping damaged ones.
+
+    Only a damaged step is skipped: an error of the call (``like``, ``n_walkers``, the mesh) is raised at once.
+    With several processes, a step counts as damaged when any process found its part damaged.
+    """
+    directory = Path(manager.directory)
+    steps = sorted(manager.all_steps())
+    if step is not None and step not in steps:
+        written = (directory / str(step)).exists()
+        if written:  # a step directory that orbax does not count: its save was never committed
+            problem = f"the checkpoint {str(directory / str(step))!r} (step {step}) was never committed."
+            fix = "its save was interrupted; restore another step (it holds {steps})."
+            raise DamagedCheckpointError(message(where, problem, fix=fix.format(steps=steps)))
+        raise CheckpointNotFoundError(f"{where}: {str(directory)!r} holds no step {step} (it holds {steps}).")
+    if not steps:
+        raise CheckpointNotFoundError(
+            f"{where}: {str(directory)!r} holds no committed checkpoint (it is empty, or no save was completed)."
+        )
+    skipped: list[tuple[int, CallError]] = []
+    for candidate in [step] if step is not None else steps[::-1]:
+        restored: tuple[Any, dict[str, Any]] | None = None
+        error: DamagedCheckpointError | None = None
+        try:
+            restored = _restore_step(where, manager, candidate, like, mesh, axis_name, n_walkers)
+        except DamagedCheckpointError as err:
+            error = err
+        if _agreed(error is None) and restored is not None:
+            if skipped:
+                _warn_skipped(where, directory, skipped, candidate)
+            return restored
+        if error is None:
+            problem = f"the checkpoint {str(directory / str(candidate))!r} is damaged in the part another process read."
+            error = DamagedCheckpointError(message(where, problem))
+        if step is not None or len(steps) == 1:  # the step asked for, or the only one: its own error
+            raise error
+        skipped.append((candidate, error))
+    raise DamagedCheckpointError(
+        message(
+            where,
+            f"every step of {str(directory)!r} is damaged ({', '.join(str(s) for s, _ in skipped)}).",
+            got="\n".join(f"step {s}: {err}" for s, err in skipped),
+            fix="restore from another copy of the run, or start afresh in a new directory.",
+        )
+    )
+
+
+def _warn_skipped(where: str, directory: Path, skipped: list[tuple[int, CallError]], restored: int) -> None:
+    reasons = "".join(f"\n  step {s}: {str(err).splitlines()[0]}" for s, err in skipped)
+    steps = ", ".join(str(s) for s, _ in skipped)
+    warnings.warn(
+        DamagedCheckpointWarning(
+            f"{where}: skipped the damaged step(s) {steps} of {str(directory)!r} and restored step {restored}, "
+            f"the newest intact one:{reasons}"
+        ),
+        stacklevel=user_stacklevel(),
+    )
 
 
 def save_walkers(
@@ -731,9 +894,15 @@ def load_state(
     (see :func:`load_walkers`; with several sets, ``metadata[sv.RESIZED]`` is a dict of
     them by pytree path).
 
+    Every byte is checked: the header against its checksum, and every array read
+    against the checksums written with it (one per walker row, one per other array),
+    so any change after the save is refused. Of a directory of steps, the newest intact
+    step is restored: damaged newer steps are skipped with a
+    :class:`~shardvmc.DamagedCheckpointWarning` naming them and why.
+
     Args:
         path: a directory written by :func:`save_state`, a :class:`Checkpointer`'s
-            directory (its latest step), or one of its step directories.
+            directory (its newest intact step), or one of its step directories.
         like: the saved state's structure, dtypes and shapes: the freshly initialised
             state, or its ``jax.eval_shape`` (a NumPy leaf comes back in its saved dtype,
             which ``like`` may show as JAX holds it). Its ``WalkerSet``\\ s may hold any
@@ -746,10 +915,14 @@ def load_state(
         ``(state, metadata)``, the metadata given at save time (``{}`` if none).
 
     Raises:
-        CheckpointNotFoundError: when ``path`` does not exist (a ``FileNotFoundError``).
-        CallError: for a damaged checkpoint (naming it), a structure, dtype or shape
-            other than ``like``'s (naming the leaf), a ``WalkerSet`` ``like`` of another
-            count, or a bad ``n_walkers``.
+        CheckpointNotFoundError: when ``path`` does not exist or holds no committed
+            checkpoint (empty, or its only save was interrupted): a ``FileNotFoundError``,
+            so ``except FileNotFoundError:`` starts a run afresh.
+        DamagedCheckpointError: for a damaged step asked for by its directory, or a
+            directory whose every step is damaged (a ``CallError`` naming the
+            checkpoint, the step and, for array data, the leaf).
+        CallError: for a structure, dtype or shape other than ``like``'s (naming the
+            leaf), a ``WalkerSet`` ``like`` of another count, or a bad ``n_walkers``.
     """
     path = Path(path).absolute()
     if path.is_file():
@@ -796,7 +969,7 @@ class Checkpointer:
         if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
             problem = "keep must be a positive int (the number of latest steps kept) or None (all)."
             raise _error("Checkpointer", problem, "pass keep=3, for example.", repr(keep))
-        self.directory, self.keep = Path(directory).absolute(), keep
+        self.directory, self.keep = _directory_to_write("Checkpointer", Path(directory)), keep
         self._manager = _manager(self.directory, keep=keep, asynchronous=asynchronous)
         _LIVE.add(self)
 
@@ -829,16 +1002,18 @@ class Checkpointer:
         axis_name: str = "walkers",
         n_walkers: int | None = None,
     ) -> tuple[Any, dict[str, Any]]:
-        """Read ``step`` (default: the latest) as :func:`load_state` does (``FileNotFoundError`` if not kept)."""
+        """Read ``step`` as :func:`load_state` does; by default the newest intact step.
+
+        Without ``step``, damaged newer steps are skipped with a
+        :class:`~shardvmc.DamagedCheckpointWarning`; ``restore(like, step=n)`` of a damaged
+        step raises :class:`~shardvmc.DamagedCheckpointError`, of a step not kept
+        :class:`~shardvmc.CheckpointNotFoundError` (a ``FileNotFoundError``, as when no
+        step is committed yet).
+        """
         where = "Checkpointer.restore"
         self.wait()
-        steps = sorted(self._manager.all_steps())
-        if step is None and not steps:
-            raise CheckpointNotFoundError(f"{where}: {str(self.directory)!r} holds no checkpoint yet.")
-        step = _check_step(where, steps[-1] if step is None else step)
-        if step not in steps:
-            raise CheckpointNotFoundError(f"{where}: {str(self.directory)!r} holds no step {step} (it holds {steps}).")
-        return _restore_step(where, self._manager, step, like, mesh, axis_name, n_walkers)
+        step = None if step is None else _check_step(where, step)
+        return _restore_kept(where, self._manager, step, like, mesh, axis_name, n_walkers)
 
     def latest_step(self) -> int | None:
         """The latest step saved (or being saved), ``None`` when there is none."""

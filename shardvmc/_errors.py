@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -11,12 +13,16 @@ __all__ = [
     "ArgumentsError",
     "CallError",
     "CheckpointNotFoundError",
+    "DamagedCheckpointError",
     "DecorationError",
     "ShardvmcError",
     "UnhashableStaticError",
     "describe",
     "message",
+    "user_stacklevel",
 ]
+
+_PACKAGE = str(Path(__file__).resolve().parent)
 
 
 class ShardvmcError(Exception):
@@ -42,6 +48,15 @@ class CallError(ShardvmcError, ValueError):
 
 class CheckpointNotFoundError(ShardvmcError, FileNotFoundError):
     """No checkpoint at the path, or not the step asked for (a ``FileNotFoundError``: catch it to start afresh)."""
+
+
+class DamagedCheckpointError(CallError):
+    """A checkpoint's files are damaged: a checksum that does not match, a file missing, truncated or malformed.
+
+    Raised when restoring that checkpoint; the message names it, its step and, for array data, the pytree
+    path. A directory of steps restored without a step skips damaged steps (with a
+    :class:`~shardvmc.DamagedCheckpointWarning`) and raises this only when no step is intact.
+    """
 
 
 class ArgumentsError(CallError, TypeError):
@@ -91,3 +106,17 @@ def describe(tree: Any) -> str:
         return f"{dtype}{list(np.shape(x))}" if dtype is not None else type(x).__name__
 
     return str(jax.tree_util.tree_map(one, tree))
+
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` of ``warnings.warn``, called here, that names the user's line: the first outside shardvmc.
+
+    Frames of shardvmc's own modules (and of JAX's, where a warning is raised while a user's
+    function traces) are skipped, so a warning names the call in the user's code.
+    """
+    frame, level = sys._getframe(1), 1
+    while frame is not None and (
+        frame.f_code.co_filename.startswith(_PACKAGE) or frame.f_globals.get("__name__", "").startswith("jax")
+    ):
+        frame, level = frame.f_back, level + 1
+    return level

@@ -18,7 +18,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from ._errors import CallError, message
+from ._errors import DamagedCheckpointError, message
 
 __all__ = ["FORMAT", "open_file"]
 
@@ -27,13 +27,13 @@ _HEADER = "__shardvmc__"
 _DATA = re.compile(r"[^/\\]+\.d-[0-9a-f]{16}")  # <manifest name>.d-<token>: a sibling data directory
 
 
-def _corrupt(path: Path, problem: str, got: str | None = None) -> CallError:
+def _corrupt(path: Path, problem: str, got: str | None = None) -> DamagedCheckpointError:
     fix = "restore an earlier checkpoint; a file written by sv.save_walkers is only replaced once complete."
-    return CallError(message("load_walkers", f"{str(path)!r} {problem}", got=got, fix=fix))
+    return DamagedCheckpointError(message("load_walkers", f"{str(path)!r} {problem}", got=got, fix=fix))
 
 
 def _entries(path: Path) -> dict[str, np.ndarray]:
-    """Every entry of the ``.npz`` at ``path``, read (so the zip CRC is checked), damage as ``CallError``."""
+    """Every entry of the ``.npz`` at ``path``, read (the zip CRC checked), damage as ``DamagedCheckpointError``."""
     error: Exception | None = None
     with open(path, "rb") as file:  # our own handle: closed whatever np.load and zipfile do on damage
         try:

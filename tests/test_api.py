@@ -28,7 +28,7 @@ PUBLIC = {
     # errors and warnings
     "ShardvmcError", "DecorationError", "CallError", "ArgumentsError", "CheckpointNotFoundError",
     "UnhashableStaticError", "PaddingWarning",
-    "CommunicationWarning",
+    "CommunicationWarning", "DamagedCheckpointError", "DamagedCheckpointWarning",
     # what kernel.explain returns
     "Explanation", "ExplanationEntry",
     # checkpoints and multi-process
