@@ -15,7 +15,7 @@ from __future__ import annotations
 import ctypes
 import re
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import jax
 from jax.sharding import Mesh
@@ -23,11 +23,13 @@ from jax.sharding import Mesh
 __all__ = [
     "CONTEXT_MESH",
     "NO_CONTEXT_MESH",
+    "SignalDisposition",
     "backends_initialized",
-    "detach_distributed_runtime",
     "distributed_settings",
     "gloo_host",
     "pin_gloo_host",
+    "set_signal_disposition",
+    "signal_disposition",
     "tracing",
     "vma_check_verdict",
 ]
@@ -178,29 +180,11 @@ def gloo_host() -> str | None:
 # ----------------------------------------------------------------------------- the distributed runtime
 #
 # What: ``jax._src.distributed.global_state``: the coordinator address, process count and index
-# it settled on (auto-detection included), and the runtime objects JAX's exit handler shuts down.
-# Why, settings: a second ``sv.distributed.initialize`` is compared with the first; the public
+# it settled on (auto-detection included).
+# Why: a second ``sv.distributed.initialize`` is compared with the first; the public
 # ``jax.process_count()``/``jax.process_index()`` would start the backend, and the coordinator
 # address has no public getter.
-# Why, detaching: ``sv.distributed.initialize(fail_fast=True)`` lets a failing process leave
-# without JAX's shutdown barrier. JAX's exit handler calls ``jax.distributed.shutdown()``, whose
-# client waits (up to ``shutdown_timeout_seconds``, 300 s) for every process, and so does the
-# client's destructor at interpreter teardown (measured when this was written: a failing process
-# whose peer sleeps ends only when the peer does); JAX 0.10.2 and 0.12 have no public way to leave without waiting (the
-# public ``shutdown_timeout_seconds`` is process 0's service setting and bounds successful exits
-# too). So the objects are taken out of JAX's state and never released (``Py_IncRef`` through
-# ``ctypes``): no destructor runs, and the operating system closes their connections when the
-# process ends.
-# When it can go: when ``jax.distributed.shutdown`` (or the client) takes a "do not wait" option or
-# JAX exposes the settings; then call that instead.
-
-_RUNTIME_OBJECTS = ("preemption_sync_manager", "client", "service")  # shut down in this order by JAX
-
-
-def _global_state() -> Any:
-    from jax._src.distributed import global_state
-
-    return global_state
+# When it can go: when JAX exposes the settings; then read those.
 
 
 def distributed_settings() -> dict[str, Any]:
@@ -210,29 +194,67 @@ def distributed_settings() -> dict[str, Any]:
     """
     names = ("coordinator_address", "num_processes", "process_id")
     try:
-        state = _global_state()
+        from jax._src.distributed import global_state
     except ImportError:  # pragma: no cover
         return dict.fromkeys(names)
-    return {name: getattr(state, name, None) for name in names}
+    return {name: getattr(global_state, name, None) for name in names}
 
 
-def detach_distributed_runtime() -> bool:
-    """Take JAX's runtime objects out of its state and keep them alive until the process ends.
+# ----------------------------------------------------------------------------- JAX's SIGTERM notifier
+#
+# What: ``jax.distributed.initialize`` starts JAX's preemption notifier (XLA's ``SigtermNotifier``,
+# while ``jax_enable_preemption_service`` is on, its default), which replaces the process's
+# SIGTERM disposition at the C level (``std::signal``) with a handler that only records the signal
+# for ``multihost_utils.reached_preemption_sync_point``: from then on SIGTERM no longer ends the
+# process, and ``signal.signal`` cannot put JAX's handler back once it is replaced (Python sees a C
+# handler as ``None``). So the disposition is saved and set as the operating system holds it
+# (``sigaction`` through ``ctypes``), as opaque bytes.
+# Why: ``sv.distributed.initialize`` (``fail_fast``) gives SIGTERM back its disposition from before
+# the call, so that a program that does not take SIGTERM as a preemption notice ends on it (and the
+# run with it), and hands it to JAX's notifier at the first ``sv.distributed.reached_preemption``.
+# JAX (0.10.2, 0.12) has no option to start the notifier later or to leave SIGTERM alone.
+# When it can go: when JAX can start its notifier on demand (or takes a signal disposition option);
+# then use that.
 
-    Afterwards ``jax.distributed.is_initialized()`` is ``False`` and JAX's exit handler finds
-    nothing to shut down, so this process leaves without waiting for its peers. Only for a
-    process about to exit. ``False`` when JAX's layout is unknown (then its barrier waits).
+_SIGACTION_BYTES = 1024  # more than any libc's struct sigaction (152 bytes on glibc x86-64, 16 on macOS)
+
+
+class SignalDisposition(NamedTuple):
+    """A signal's disposition as the operating system holds it: its handler's address and the whole record.
+
+    Compare dispositions by ``handler`` (0 is ``SIG_DFL``): libc leaves unused bytes of the
+    record as they were on its stack, and adds its own flags to what it sets.
     """
+
+    handler: int
+    raw: bytes
+
+
+def _sigaction(number: int, new: bytes | None) -> SignalDisposition | None:
+    """The disposition of signal ``number``, after setting it to ``new`` when given."""
     try:
-        state = _global_state()
-    except ImportError:  # pragma: no cover
-        return False
-    for name in _RUNTIME_OBJECTS:
-        obj = getattr(state, name, None)
-        if obj is not None:
-            ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))  # never released: its destructor would wait
-            setattr(state, name, None)
-    return True
+        call = ctypes.CDLL(None, use_errno=True).sigaction
+    except (OSError, AttributeError):  # pragma: no cover - no POSIX sigaction (Windows)
+        return None
+    old = ctypes.create_string_buffer(_SIGACTION_BYTES)
+    act = None if new is None else ctypes.create_string_buffer(new, _SIGACTION_BYTES)
+    if call(number, act, old) != 0:  # pragma: no cover - an invalid signal number
+        return None
+    handler = ctypes.c_void_p.from_buffer_copy(old.raw).value or 0  # the first member on Linux and macOS
+    return SignalDisposition(handler, old.raw)
+
+
+def signal_disposition(number: int) -> SignalDisposition | None:
+    """What signal ``number`` does now, as the operating system holds it (C handlers included).
+
+    ``None`` where ``sigaction`` is not available.
+    """
+    return _sigaction(number, None)
+
+
+def set_signal_disposition(number: int, disposition: SignalDisposition) -> bool:
+    """Put back a disposition read by :func:`signal_disposition`; ``False`` where that cannot be done."""
+    return _sigaction(number, disposition.raw) is not None
 
 
 # ----------------------------------------------------------------------------- the varying-axes verdict

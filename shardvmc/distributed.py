@@ -52,9 +52,6 @@ ENV_PROCESS_ID = "SHARDVMC_PROCESS_ID"
 # What this module passed to jax.distributed.initialize, to compare a second call with.
 _SETTINGS: dict[str, Any] | None = None
 
-# Whether initialize set up the failing-exit handling (once per process).
-_FAIL_FAST_INSTALLED = False
-
 
 def is_launched() -> bool:
     """Whether this process was started by ``python -m shardvmc.launch``.
@@ -130,53 +127,131 @@ def _interactive() -> bool:
     return bool(sys.flags.interactive) or hasattr(sys, "ps1")
 
 
-def _fail_fast_on_exit() -> None:
-    """Make a failing exit skip JAX's shutdown barrier, so the other processes learn of it.
+class _ExitWatch:
+    """What ``initialize(fail_fast=True)`` set up to recognise a failing exit (once per process).
 
-    Installed by ``initialize(fail_fast=True)`` only. At exit, JAX's
-    ``distributed.shutdown()`` waits (up to 5 minutes) for every process
-    to arrive; a process that fails while its peers keep computing would sit there,
-    alive, and the launcher (or a cluster scheduler) could not tell that it failed.
     Python offers no way to read the exit code at exit, so the two ways a program fails
     are recognised as follows. An uncaught exception: Python sets ``sys.last_value``
     before calling ``sys.excepthook``, so no hook is replaced and a hook the program
-    installs later (``rich.traceback.install()``) changes nothing. ``sys.exit(code)``
-    in the main thread: ``SystemExit`` is handled in C, out of Python's sight, so
-    ``sys.exit`` is wrapped (the wrapper records the code and calls the ``sys.exit`` it
-    found); the wrapper is removed again at exit.
-
-    An exit handler registered here runs before JAX's (atexit runs last-registered
-    first) and, after a failure, detaches JAX's distributed runtime
-    (``_internals.detach_distributed_runtime``: JAX has no public way to leave without
-    the barrier). Every exit handler still runs, the one registered
-    earlier by the program (a logger, a checkpoint writer) included, and the process
-    exits with its own code. A successful exit is untouched: it waits for the peers,
-    as JAX's does.
+    installs later (``rich.traceback.install()``) changes nothing. ``sys.exit(code)`` in
+    the main thread: ``SystemExit`` is handled in C, out of Python's sight, so ``sys.exit``
+    is wrapped (the wrapper records the code and calls the ``sys.exit`` it found); the
+    wrapper is removed again at exit.
     """
-    global _FAIL_FAST_INSTALLED
-    if _FAIL_FAST_INSTALLED:
-        return
-    _FAIL_FAST_INSTALLED = True
-    found_exit = sys.exit
-    shown_before = getattr(sys, "last_value", None)
-    exit_status = [0]
 
-    @functools.wraps(found_exit)
-    def exit_(*args: Any) -> None:
-        if threading.current_thread() is threading.main_thread():
-            exit_status[0] = _exit_code(args[0] if args else None)  # the last call counts
-        found_exit(*args)
+    def __init__(self) -> None:
+        self.active = False
+        self.status = 0  # the code of the last sys.exit in the main thread
+        self.found_exit: Any = None
+        self.wrapper: Any = None
+        self.shown_before: BaseException | None = None  # an error already shown before initialize
 
-    def at_exit() -> None:
-        if sys.exit is exit_:
-            sys.exit = found_exit
+    def start(self) -> None:
+        if self.active:
+            return
+        found = sys.exit
+
+        @functools.wraps(found)
+        def exit_(*args: Any) -> None:
+            if threading.current_thread() is threading.main_thread():
+                self.status = _exit_code(args[0] if args else None)  # the last call counts
+            found(*args)
+
+        self.found_exit, self.wrapper, self.status = found, exit_, 0
+        self.shown_before = getattr(sys, "last_value", None)
+        sys.exit = exit_
+        self.active = True
+
+    def failing_code(self) -> int | None:
+        """This process's exit code if it is failing, else ``None``; ``-n``: it ends by signal ``n``."""
         uncaught = getattr(sys, "last_value", None)
-        failed = exit_status[0] != 0 or (uncaught is not None and uncaught is not shown_before and not _interactive())
-        if failed and jax.distributed.is_initialized():
-            _internals.detach_distributed_runtime()
+        if uncaught is not None and uncaught is not self.shown_before and not _interactive():
+            # Python ends a process whose KeyboardInterrupt was not caught with SIGINT, any other error with 1
+            return -int(signal.SIGINT) if isinstance(uncaught, KeyboardInterrupt) else 1
+        return self.status or None
 
-    sys.exit = exit_
-    atexit.register(at_exit)
+    def stop(self) -> None:
+        if sys.exit is self.wrapper:
+            sys.exit = self.found_exit
+        self.active = False
+
+
+_EXIT_WATCH = _ExitWatch()
+
+
+def _flush_before_leaving() -> None:
+    """Flush what a normal exit would have flushed: log handlers, then every open file (text layers first)."""
+    import gc
+    import io
+    import logging
+
+    try:
+        logging.shutdown()
+    except Exception:  # pragma: no cover - a broken handler must not keep the process from leaving
+        pass
+    files = [obj for obj in gc.get_objects() if isinstance(obj, io.IOBase)] + [sys.stdout, sys.stderr]
+    files.sort(key=lambda f: not isinstance(f, io.TextIOBase))  # a text file flushes into its binary buffer
+    for f in files:
+        try:
+            if f is not None and not f.closed and f.writable():
+                f.flush()
+        except Exception:  # a file in any state (detached, a closed pipe): flush what can be flushed
+            pass
+
+
+def _leave_after_a_failure() -> None:
+    """Exit handler: after a failure, leave at once with the process's own code, skipping JAX's shutdown barrier.
+
+    Registered when shardvmc is imported, after JAX registered its own exit handler
+    (``jax.distributed.shutdown()``, whose barrier waits for every process): exit handlers
+    run last-registered first, so this one runs after those the program registered later
+    and before JAX's. It does nothing unless ``initialize(fail_fast=True)`` set up the
+    watch and the process is failing; then it flushes the files and leaves with
+    ``os._exit`` (JAX has no public way to leave without the barrier, and a client
+    destroyed at interpreter teardown waits in it too).
+    """
+    if not _EXIT_WATCH.active:
+        return
+    _EXIT_WATCH.stop()
+    code = _EXIT_WATCH.failing_code()
+    if code is None or not jax.distributed.is_initialized():
+        return  # a successful exit waits for the peers in JAX's barrier, as JAX's own does
+    _flush_before_leaving()
+    if code < 0:  # as Python does after an uncaught KeyboardInterrupt: end by the signal
+        signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+        code = 128 - code  # (not reached: the signal ended the process)
+    os._exit(code)
+
+
+atexit.register(_leave_after_a_failure)
+
+
+# JAX's SIGTERM disposition (its preemption notifier), kept aside by initialize until the first
+# reached_preemption, and the disposition initialize left SIGTERM with.
+_JAX_SIGTERM: _internals.SignalDisposition | None = None
+_LEFT_SIGTERM: _internals.SignalDisposition | None = None
+
+
+def _keep_sigterm(before: _internals.SignalDisposition | None) -> None:
+    """After ``jax.distributed.initialize``: give SIGTERM back the disposition it had before, keeping JAX's aside."""
+    global _JAX_SIGTERM, _LEFT_SIGTERM
+    jax_notifier = _internals.signal_disposition(signal.SIGTERM)
+    if before is None or jax_notifier is None or jax_notifier.handler == before.handler:
+        return  # no sigaction here, or JAX installed no notifier (its preemption service off)
+    if _internals.set_signal_disposition(signal.SIGTERM, before):
+        _JAX_SIGTERM, _LEFT_SIGTERM = jax_notifier, _internals.signal_disposition(signal.SIGTERM)
+
+
+def _give_sigterm_to_jax() -> None:
+    """Hand SIGTERM to JAX's notifier, unless the program installed its own handler since ``initialize``."""
+    global _JAX_SIGTERM, _LEFT_SIGTERM
+    if _JAX_SIGTERM is None:
+        return
+    now = _internals.signal_disposition(signal.SIGTERM)
+    if now is not None and _LEFT_SIGTERM is not None and now.handler == _LEFT_SIGTERM.handler:
+        _internals.set_signal_disposition(signal.SIGTERM, _JAX_SIGTERM)
+    _JAX_SIGTERM = _LEFT_SIGTERM = None
 
 
 def _check_same(requested: dict[str, Any]) -> None:
@@ -198,13 +273,28 @@ def _check_same(requested: dict[str, Any]) -> None:
         )
 
 
+def _positive_seconds(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise CallError(
+            message(
+                "shardvmc.distributed.initialize",
+                f"{name} must be a whole number of seconds, at least 1.",
+                got=repr(value),
+                fix=f"pass {name}=<seconds> as an int (JAX's setting takes whole seconds).",
+            )
+        )
+    return int(value)
+
+
 def initialize(
     coordinator_address: str | None = None,
     num_processes: int | None = None,
     process_id: int | None = None,
     local_device_ids: int | Sequence[int] | None = None,
     *,
-    fail_fast: bool = False,
+    fail_fast: bool = True,
+    heartbeat_timeout_seconds: int = 20,
+    shutdown_timeout_seconds: int = 300,
     **kwargs: Any,
 ) -> None:
     """Join this process to a multi-process JAX run (wraps ``jax.distributed.initialize``).
@@ -220,34 +310,42 @@ def initialize(
 
     Calling it again is a no-op when the settings asked for are the ones in place.
 
-    By default a process exits as JAX makes it: one that fails while its peers keep
-    computing first waits in JAX's shutdown barrier for them, up to 5 minutes, before
-    ``python -m shardvmc.launch`` (or a cluster scheduler) can see the failure. With
-    ``fail_fast=True``, a process that fails, by ``sys.exit(code)`` with a non-zero
-    code in the main thread or by an uncaught exception, leaves without waiting; its
-    exit handlers all run and it exits with its own code. JAX has no public way to
-    leave without the barrier, so this is opt-in: ``sys.exit`` is wrapped (the wrapper
-    calls the ``sys.exit`` it found, and is removed at exit), and after a failure JAX's
-    runtime objects are taken out of its private state and never released (see
-    ``docs/cluster.md``, "When a process fails"). ``sys.excepthook`` is left alone. (A
-    ``SystemExit`` raised with ``raise`` is not seen; a ``sys.exit(code)`` the program
-    catches counts until a later ``sys.exit(0)``; a successful exit still waits for the
-    peers, as JAX's does.)
+    A failure ends the run (``fail_fast=True``, the default). A process that fails, by
+    ``sys.exit(code)`` with a non-zero code in the main thread or by an uncaught
+    exception, does not wait for its peers in JAX's shutdown barrier: the exit handlers
+    the program registered after ``import shardvmc`` run, log handlers and open files
+    are flushed, and it exits with its own code (``os._exit``). The other processes
+    learn of a process that is gone, however it ended (a failure, SIGKILL, a crash),
+    from JAX's coordination service once its heartbeats stop, within
+    ``heartbeat_timeout_seconds``, and JAX ends them (exit code 134), unless the
+    launcher or the scheduler stopped them first. A SIGTERM ends the process, as in
+    any program, until the first :func:`reached_preemption` hands it to JAX's
+    preemption notifier (which catches it from ``jax.distributed.initialize`` on
+    otherwise). A successful exit still waits for the other processes, up to
+    ``shutdown_timeout_seconds``. ``fail_fast=False`` leaves the exit as JAX makes it:
+    a failing process waits for its peers in the barrier, and JAX's notifier catches
+    SIGTERM from the start. See ``docs/cluster.md``, "When a process fails", for the
+    measured times and what ``sys.exit`` wrapping does not see (``raise SystemExit``).
 
     Args:
         coordinator_address: ``host:port`` of process 0's coordinator service.
         num_processes: the number of processes.
         process_id: this process's index, ``0 .. num_processes - 1``.
         local_device_ids: the local accelerators this process uses (e.g. ``[0]``).
-        fail_fast: let a failing process leave without JAX's shutdown barrier (see
-            above); ``False``, the default, changes nothing in the process (JAX's exit
-            as it is).
+        fail_fast: a failing process leaves without JAX's shutdown barrier, and an
+            unhandled SIGTERM ends the process (above); ``False``: JAX's exit as it is.
+        heartbeat_timeout_seconds: a process silent this long is declared dead and the
+            others are ended (JAX's setting; JAX's default is 100). Its heartbeats come
+            from a thread of JAX's runtime, every half of this, whatever Python computes.
+        shutdown_timeout_seconds: how long a process that ends waits for the others at
+            exit before JAX ends all of them (JAX's setting, the same default).
         **kwargs: passed on to ``jax.distributed.initialize`` (for example
             ``cluster_detection_method``, ``initialization_timeout``).
 
     Raises:
-        CallError: a second call with other settings, or a call after a device was
-            touched (JAX can no longer join the group then).
+        CallError: a second call with other settings, a call after a device was
+            touched (JAX can no longer join the group then), or a timeout that is not
+            a whole number of seconds.
 
     Example:
         The usual first lines of a program that may run under the launcher:
@@ -265,6 +363,8 @@ def initialize(
         (2, True)
     """
     global _SETTINGS
+    heartbeat = _positive_seconds("heartbeat_timeout_seconds", heartbeat_timeout_seconds)
+    shutdown = _positive_seconds("shutdown_timeout_seconds", shutdown_timeout_seconds)
     if is_launched():
         launched = _launched_settings()
         coordinator_address = launched[0] if coordinator_address is None else coordinator_address
@@ -285,15 +385,19 @@ def initialize(
             )
         )
     _select_cpu_collectives(coordinator_address)
+    sigterm_before = _internals.signal_disposition(signal.SIGTERM) if fail_fast else None
     jax.distributed.initialize(
         coordinator_address=coordinator_address,
         num_processes=num_processes,
         process_id=process_id,
         local_device_ids=local_device_ids,
+        heartbeat_timeout_seconds=heartbeat,
+        shutdown_timeout_seconds=shutdown,
         **kwargs,
     )
     if fail_fast:
-        _fail_fast_on_exit()
+        _keep_sigterm(sigterm_before)
+        _EXIT_WATCH.start()
     settled = _internals.distributed_settings()  # what auto-detection settled on (no public spelling)
     _SETTINGS = {k: v if settled.get(k) is None else settled[k] for k, v in requested.items()}
 
@@ -459,8 +563,9 @@ def reached_preemption(step: int, *, signals: Sequence[str | int] = PREEMPTION_S
 
     In a multi-process run (after :func:`initialize`) this is JAX's preemption sync
     point (``jax.experimental.multihost_utils.reached_preemption_sync_point``): JAX's
-    notifier catches SIGTERM from ``jax.distributed.initialize`` on (so SIGTERM counts
-    whatever ``signals`` says), the notice travels through the coordination service,
+    notifier catches SIGTERM from the first call on (from ``jax.distributed.initialize``
+    on with ``initialize(fail_fast=False)``; before, SIGTERM ends the process), so
+    SIGTERM counts whatever ``signals`` says; the notice travels through the coordination service,
     the processes agree on the next step after the furthest one, and it returns
     ``True`` at exactly that step on all of them. The other signals named are handed
     on to that notifier. In a single process without JAX's distributed runtime (where
@@ -504,6 +609,8 @@ def reached_preemption(step: int, *, signals: Sequence[str | int] = PREEMPTION_S
         raise CallError(message(where, "step must be an int.", got=repr(step), fix="pass the training step, int(t)."))
     numbers = _signal_numbers(signals, where)
     with_runtime = jax.distributed.is_initialized()
+    if with_runtime:
+        _give_sigterm_to_jax()  # kept aside by initialize(fail_fast=True) until the program takes notices
     wanted = [n for n in numbers if n not in _HANDLED and not (with_runtime and n == signal.SIGTERM)]
     if wanted:
         if threading.current_thread() is not threading.main_thread():

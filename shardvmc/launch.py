@@ -105,29 +105,137 @@ def process_env(
     return env
 
 
-# The gloo that jaxlib 0.10.2 bundles prints this for every device of every new group of
-# devices, to stdout, unconditionally (gloo has since made it an INFO log under
-# GLOO_LOG_LEVEL: https://github.com/pytorch/gloo/pull/466). A line where fewer peers are
-# connected than expected (and the "is NOT connected to" line after it) is kept.
-_GLOO_CONNECTED = re.compile(
-    r"\[Gloo\] Rank \d+ is connected to (\d+) peer ranks\. Expected number of connected peer ranks is : (\d+)"
+# The gloo that jaxlib 0.10.2 bundles prints, to stdout, for every device of every new group of
+# devices, unconditionally (gloo has since made it an INFO log under GLOO_LOG_LEVEL:
+# https://github.com/pytorch/gloo/pull/466):
+#     [Gloo] Rank 0 is connected to 3 peer ranks. Expected number of connected peer ranks is : 3
+# and, when the count is short, "[Gloo] Rank 1 is NOT connected to: [2]". Two things make these
+# lines vary. The count is read right after the connections were started, and gloo's TCP pairs
+# connect asynchronously, so on a busy machine it is often short of the peers that connect a moment
+# later (a connection that really fails raises an error in the computation, which is shown). And
+# std::cout writes the message in pieces (the literals below are separate strings in the library),
+# so the messages of two devices of one process, printed at the same time from two threads, can
+# merge: one line holds the pieces of both, and the line after it the rest of the other (a number,
+# or nothing). Every such line is left out: a line made only of these pieces, numbers and the list's
+# punctuation, and, after a merged line, the lines that complete it.
+_GLOO_START = "[Gloo] Rank "
+_GLOO_PIECES = (
+    _GLOO_START,
+    " is connected to ",
+    " peer ranks. ",
+    "Expected number of connected peer ranks is : ",
+    " is NOT connected to: [",
 )
+_GLOO_REST = re.compile(r"[\d\s,\]]*")  # the numbers and the list's punctuation between the pieces
 
 
-def _is_connection_chatter(line: str) -> bool:
-    m = _GLOO_CONNECTED.fullmatch(line.strip())
-    return m is not None and m.group(1) == m.group(2)
+class _GlooMessages:
+    """Recognises gloo's connection messages in one process's output, merged ones included."""
+
+    def __init__(self) -> None:
+        self.unfinished = 0  # messages begun on a merged line and not ended by a newline yet
+
+    def __call__(self, line: str) -> bool:
+        begun = line.count(_GLOO_START)
+        if not begun and not self.unfinished:
+            return False
+        rest = line
+        for piece in _GLOO_PIECES:
+            rest = rest.replace(piece, "")
+        if not _GLOO_REST.fullmatch(rest):
+            self.unfinished = 0
+            return False
+        self.unfinished = max(0, self.unfinished + begun - 1)  # each line ends one message
+        return True
 
 
-def _forward(index: int, stream: IO[bytes], out: IO[str], lock: threading.Lock, verbose: bool = False) -> None:
-    """Copy ``stream`` to ``out`` line by line, each line prefixed ``[index] ``, without gloo's chatter."""
+# What JAX's runtime writes when it ends a process: absl log lines (W: warning, E: error, F: fatal),
+# the stack trace of a fatal one, and C++'s terminate. After another process failed, these are the
+# consequences in the others (the coordination service aborting them), left out unless --verbose.
+_RUNTIME_LOG = re.compile(r"[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ [^ \]]+:\d+\] ")
+_RUNTIME_ERROR = re.compile(
+    r"[WEF]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ [^ \]]+:\d+\] "
+    r"|\*\*\* Check failure stack trace: \*\*\*"
+    r"|terminate called "
+)
+# JAX's runtime ending a process because another one is gone (heartbeats stopped, the coordinator
+# unreachable, the shutdown barrier failed): its fatal message says "Terminating process because ...".
+_TERMINATED_BY_RUNTIME = "Terminating process because"
+_HOLD_S = 2.0  # how long a running process's runtime error lines wait for a failure elsewhere
+
+
+class _Output:
+    """The processes' output, as the forwarding threads read it: prefixed, filtered, written to ``out``.
+
+    Runtime error lines (``_RUNTIME_ERROR``) of a process are held back, with the lines after
+    them, until it is clear whose they are: those of the process that failed first, or of a
+    process that keeps running (after ``_HOLD_S``) or succeeds, are written; those of the
+    other processes after a failure are consequences, left out and counted. After a failure
+    the other processes' runtime log lines are left out too. ``verbose`` writes every line.
+    """
+
+    def __init__(self, processes: int, out: IO[str], lock: threading.Lock, verbose: bool) -> None:
+        self.out, self.lock, self.verbose = out, lock, verbose
+        self.gloo = [_GlooMessages() for _ in range(processes)]
+        self.held: list[list[str]] = [[] for _ in range(processes)]
+        self.held_since = [0.0] * processes
+        self.quiet = [False] * processes  # the rest of this process's output is a consequence
+        self.terminated = [False] * processes  # JAX's runtime said it ends this process
+        self.left_out = [0] * processes
+        self.failed: set[int] = set()  # processes that failed before the launcher stopped anyone
+        self.cause: int | None = None
+
+    def _write(self, index: int, lines: Sequence[str]) -> None:
+        for line in lines:
+            self.out.write(f"[{index}] {line}\n")
+        if lines:
+            self.out.flush()
+
+    def line(self, index: int, line: str) -> None:
+        """A line of process ``index`` (without its newline)."""
+        with self.lock:
+            if self.verbose:
+                self._write(index, [line])
+                return
+            if self.gloo[index](line):
+                return
+            if _TERMINATED_BY_RUNTIME in line:
+                self.terminated[index] = True
+            consequence = bool(self.failed) and index not in self.failed
+            if self.quiet[index] or (consequence and _RUNTIME_LOG.match(line)):
+                self.left_out[index] += 1
+                self.quiet[index] = self.quiet[index] or bool(_RUNTIME_ERROR.match(line))
+            elif self.held[index]:
+                self.held[index].append(line)
+            elif _RUNTIME_ERROR.match(line):
+                self.held[index], self.held_since[index] = [line], time.monotonic()
+            else:
+                self._write(index, [line])
+
+    def settle(self, ended: Mapping[int, int], final: bool = False) -> None:
+        """Write or leave out held lines whose owner is now clear (``final``: every process has ended)."""
+        with self.lock:
+            now = time.monotonic()
+            for index, lines in enumerate(self.held):
+                if not lines:
+                    continue
+                consequence = (
+                    self.failed and index != self.cause and (index not in self.failed or self.terminated[index])
+                )
+                if consequence and (self.cause is not None or final):
+                    self.left_out[index] += len(lines)
+                    self.quiet[index] = True
+                elif index in ended or index == self.cause or now - self.held_since[index] > _HOLD_S or final:
+                    self._write(index, lines)
+                else:
+                    continue
+                self.held[index] = []
+
+
+def _forward(index: int, stream: IO[bytes], output: _Output) -> None:
+    """Copy ``stream`` (one process's output) to ``output`` line by line."""
     for raw in iter(stream.readline, b""):
-        line = raw.decode(errors="replace").rstrip("\r\n")
-        if not verbose and _is_connection_chatter(line):
-            continue
-        with lock:
-            out.write(f"[{index}] {line}\n")
-            out.flush()
+        output.line(index, raw.decode(errors="replace").rstrip("\r\n"))
     stream.close()
 
 
@@ -192,6 +300,39 @@ def _exit_code(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
+def _ending(returncode: int, short: bool = False) -> str:
+    """How a process ended: ``exited with code 3``, ``was killed by SIGKILL (code 137)``; short: ``code 3``..."""
+    code = _exit_code(returncode)
+    if returncode >= 0:
+        return f"code {code}" if short else f"exited with code {code}"
+    try:
+        name = signal.Signals(-returncode).name
+    except ValueError:
+        name = f"signal {-returncode}"
+    if -returncode == signal.SIGABRT:
+        return f"aborted, code {code}" if short else f"aborted ({name}, code {code})"
+    return f"killed by {name}, code {code}" if short else f"was killed by {name} (code {code})"
+
+
+def _first_failure(failed: set[int], ended_at: Mapping[int, float], terminated: Sequence[bool]) -> int:
+    """The process whose failure came first: the earliest to end, not counting those JAX's runtime ended."""
+    order = sorted(failed, key=lambda i: (ended_at.get(i, float("inf")), i))
+    own = [i for i in order if not terminated[i]]  # a runtime abort follows another process's failure
+    return (own or order)[0]
+
+
+def _watch_exit(index: int, proc: subprocess.Popen[bytes], ended: Callable[[int, int | None], None]) -> None:
+    """Report ``proc``'s end the moment it happens, with its code, without reaping it (the launcher polls)."""
+    code: int | None = None
+    try:
+        info = os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT)
+        if info is not None:
+            code = info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
+    except ChildProcessError:  # already reaped by the launcher's poll
+        code = proc.returncode
+    ended(index, code)
+
+
 def launch(
     command: Sequence[str],
     processes: int,
@@ -254,19 +395,36 @@ def _launch(
         raise CallError(message("launch", "no command given.", fix="put the command after `--`."))
     if not grace >= 0:
         raise CallError(message("launch", f"grace must be at least 0 seconds, got {grace}.", fix="pass 0 or more."))
-    out = sys.stdout if stdout is None else stdout
     err = sys.stderr if stderr is None else stderr
     coordinator = f"127.0.0.1:{free_port()}"
     base = os.environ if env is None else env
     lock = threading.Lock()
+    output = _Output(processes, sys.stdout if stdout is None else stdout, lock, verbose)
     procs: list[subprocess.Popen[bytes]] = []
-    threads: list[threading.Thread] = []
+    readers: list[threading.Thread] = []
+    ended_at: dict[int, float] = {}  # when each process ended, as its watcher saw it
+    codes: dict[int, int] = {}  # the exit codes the launcher collected
+    stopping = False  # from here on the launcher ends the processes: their ends are no failures
 
     def say(text: str) -> None:
         with lock:
             err.write(f"[launch] {text}\n")
             err.flush()
 
+    def ended(index: int, code: int | None) -> None:
+        with lock:
+            ended_at.setdefault(index, time.monotonic())
+            if code and not stopping:
+                output.failed.add(index)
+
+    def finished(indices: Sequence[int], wait: float) -> None:
+        """Give the readers of these processes up to ``wait`` seconds to read their last lines."""
+        deadline = time.monotonic() + wait
+        for i in indices:
+            readers[i].join(max(0.0, deadline - time.monotonic()))
+
+    code = 0
+    cause: int | None = None
     try:
         for i in range(processes):
             if interrupt:
@@ -281,33 +439,63 @@ def _launch(
             )
             procs.append(proc)
             assert proc.stdout is not None
-            thread = threading.Thread(target=_forward, args=(i, proc.stdout, out, lock, verbose), daemon=True)
-            thread.start()
-            threads.append(thread)
+            readers.append(threading.Thread(target=_forward, args=(i, proc.stdout, output), daemon=True))
+            readers[-1].start()
+            if hasattr(os, "waitid"):
+                threading.Thread(target=_watch_exit, args=(i, proc, ended), daemon=True).start()
         deadline = None if timeout is None else time.monotonic() + timeout
-        code = 0
         while not interrupt:
-            codes = [p.poll() for p in procs]
-            failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
+            for i, p in enumerate(procs):
+                if i not in codes and (c := p.poll()) is not None:
+                    codes[i] = c
+                    ended(i, c)
+            failed = {i for i, c in codes.items() if c != 0}
             if failed:
-                i, c = failed[0]
-                code = _exit_code(c)
-                if any(c is None for c in codes):
-                    say(f"process {i} exited with code {code}; stopping the others.")
-                else:
-                    say(f"process {i} exited with code {code}.")
+                if len(failed) > 1:  # which came first also depends on what they wrote last
+                    finished(sorted(failed), 1.0)
+                with lock:
+                    output.failed |= failed
+                    cause = output.cause = _first_failure(failed, ended_at, output.terminated)
+                code = _exit_code(codes[cause])
+                others = "; stopping the others" if len(codes) < len(procs) else ""
+                say(f"process {cause} {_ending(codes[cause])}{others}.")
                 break
-            if all(c == 0 for c in codes):
+            if len(codes) == len(procs):
                 break
             if deadline is not None and time.monotonic() > deadline:
                 say(f"timeout after {timeout:g} s; stopping every process.")
                 code = TIMEOUT_EXIT_CODE
                 break
+            output.settle(codes)
             time.sleep(_POLL_S)
     finally:  # also on a KeyboardInterrupt when launch() is called from Python
+        with lock:
+            stopping = True
         _stop(procs, grace, interrupt)
-    _wait_until(lambda: not any(t.is_alive() for t in threads), max(grace, 1.0), interrupt)  # the last lines
+    finished(range(len(readers)), max(grace, 1.0))  # the last lines
+    for i, p in enumerate(procs):
+        if i not in codes and p.returncode is not None:
+            codes[i] = p.returncode
+    output.settle(codes, final=True)
+    if cause is not None and not verbose:
+        _say_consequences(say, output, cause, codes)
     return code
+
+
+def _say_consequences(say: Callable[[str], None], output: _Output, cause: int, codes: Mapping[int, int]) -> None:
+    """One line for each other process that ended by itself after the failure, one for the lines left out."""
+    for i in sorted(output.failed - {cause}):
+        if output.terminated[i]:
+            say(f"process {i} ended as a consequence ({_ending(codes[i], short=True)}).")
+        else:
+            say(f"process {i} also failed: it {_ending(codes[i])}.")
+    noisy = [i for i, n in enumerate(output.left_out) if n]
+    if noisy:
+        which = ", ".join(str(i) for i in noisy)
+        say(
+            f"left out {sum(output.left_out)} lines of JAX runtime messages that process(es) {which} wrote after "
+            f"process {cause} failed (--verbose shows them)."
+        )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -124,47 +125,6 @@ def test_jax_builds_gloo_through_the_factory_that_pin_gloo_host_wraps(monkeypatc
 # ---------------------------------------------------------------- the distributed runtime
 
 
-class _Runtime:
-    """Stands for one of JAX's runtime objects: records whether JAX shut it down."""
-
-    def __init__(self, log: list[str], name: str) -> None:
-        self.log, self.name = log, name
-
-    def shutdown(self) -> None:
-        self.log.append(self.name)
-
-
-def _fake_runtime(monkeypatch: pytest.MonkeyPatch) -> tuple[Any, list[str], list[_Runtime]]:
-    from jax._src.distributed import global_state
-
-    log: list[str] = []
-    objs = [_Runtime(log, name) for name in ("preemption_sync_manager", "client", "service")]
-    for obj in objs:
-        monkeypatch.setattr(global_state, obj.name, obj)
-    return global_state, log, objs
-
-
-def test_jax_shuts_down_exactly_the_runtime_objects_detach_takes(monkeypatch):
-    """What JAX's exit handler (jax.distributed.shutdown) shuts down, in its order, is what detaching takes."""
-    _, log, _ = _fake_runtime(monkeypatch)
-    assert jax.distributed.is_initialized()  # JAX reads its state from the same place
-    jax.distributed.shutdown()
-    assert log == ["preemption_sync_manager", "client", "service"]
-    assert not jax.distributed.is_initialized()
-
-
-def test_detach_distributed_runtime_leaves_jax_nothing_to_wait_for(monkeypatch):
-    state, log, objs = _fake_runtime(monkeypatch)
-    counts = [sys.getrefcount(obj) for obj in objs]
-    assert _internals.detach_distributed_runtime()
-    assert not jax.distributed.is_initialized()
-    jax.distributed.shutdown()  # what JAX's exit handler does: nothing left to shut down, no barrier
-    assert log == []
-    assert all(getattr(state, obj.name) is None for obj in objs)
-    # JAX's state let go of them, and the reference it held is kept, never released: no destructor runs
-    assert [sys.getrefcount(obj) for obj in objs] == counts
-
-
 def test_distributed_settings_reads_what_jax_settled_on(monkeypatch):
     from jax._src.distributed import global_state
 
@@ -176,6 +136,40 @@ def test_distributed_settings_reads_what_jax_settled_on(monkeypatch):
         "num_processes": 4,
         "process_id": 3,
     }
+
+
+# ---------------------------------------------------------------- JAX's SIGTERM notifier
+
+
+def test_jax_distributed_initialize_takes_sigterm_and_its_disposition_can_be_put_back():
+    """JAX's preemption notifier replaces SIGTERM's C-level handler (SIGTERM then no longer ends the process);
+    the disposition from before, and JAX's, can be read and set back."""
+    code = textwrap.dedent(
+        """
+        import os, signal, time
+        import jax
+        from shardvmc import _internals
+        from shardvmc.launch import free_port
+        before = _internals.signal_disposition(signal.SIGTERM)
+        jax.distributed.initialize(f"127.0.0.1:{free_port()}", 1, 0)
+        notifier = _internals.signal_disposition(signal.SIGTERM)
+        print(before.handler == 0, notifier.handler not in (0, before.handler))  # SIG_DFL, then JAX's handler
+        assert _internals.set_signal_disposition(signal.SIGTERM, before)
+        print(_internals.signal_disposition(signal.SIGTERM).handler == 0)
+        assert _internals.set_signal_disposition(signal.SIGTERM, notifier)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(2)
+        print("JAX's notifier took it")
+        assert _internals.set_signal_disposition(signal.SIGTERM, before)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(10)
+        print("not reached: SIGTERM ends the process")
+        """
+    )
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
+    assert out.returncode == -signal.SIGTERM, out.stdout + out.stderr
+    assert out.stdout.splitlines() == ["True True", "True", "JAX's notifier took it"], out.stderr
 
 
 # ---------------------------------------------------------------- the varying-axes verdict

@@ -1,0 +1,58 @@
+"""A launched program one of whose processes fails, for the fail-fast tests of ``tests/test_multiprocess.py``.
+
+``python mp_fail_worker.py HOW PEER [FILE]`` in every process of a group (launched, or started with
+``shardvmc.launch.process_env``). Each process joins with ``sv.distributed.initialize()`` (its
+defaults), computes once, prints ``ready <pid>``, then:
+
+- ``exit``: process 1 calls ``sys.exit(3)``;
+- ``raise``: process 1 raises an uncaught exception;
+- ``wait``: process 1 sleeps, for the test to signal it (SIGKILL, SIGTERM);
+- ``coordinator``: process 0, the coordination service's host, calls ``sys.exit(3)``;
+- ``ok``: process 1 returns at once, process 0 three seconds later; both succeed.
+
+The other processes do ``PEER`` meanwhile: ``sleep``, or ``compute`` (a Python and JAX loop that
+holds the interpreter). The failing process writes a line to ``FILE``, if given, and leaves the
+file open, then prints ``failing at <time>``. In ``ok`` each process prints when it left JAX's
+shutdown barrier (an exit handler registered before JAX's runs after it).
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import sys
+import time
+
+how, peer = sys.argv[1:3]
+if how == "ok":
+    atexit.register(lambda: print(f"left the barrier at {time.time()!r}", flush=True))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+import shardvmc as sv  # noqa: E402
+
+sv.distributed.initialize()
+me = jax.process_index()
+x = jnp.arange(4.0).sum()
+print(f"ready {os.getpid()} {float(x)}", flush=True)
+
+failing = 0 if how == "coordinator" else 1
+if me == failing and how in ("exit", "raise", "coordinator"):
+    if len(sys.argv) > 3:  # a file the program leaves open and unflushed, as a log often is
+        log = open(sys.argv[3], "w")
+        log.write("written before the failure\n")
+    print(f"failing at {time.time()!r}", flush=True)
+    if how == "raise":
+        raise RuntimeError(f"process {me} fails")
+    sys.exit(3)
+if how == "ok":
+    time.sleep(3 if me == 0 else 0)
+    print(f"finished at {time.time()!r}", flush=True)
+elif peer == "sleep" or me == failing:
+    time.sleep(600)
+else:
+    y = jnp.ones((64, 64))
+    while True:  # computes until it is ended: a Python loop and small local JAX computations
+        y = (y @ y / 64.0).block_until_ready()
+        sum(i * i for i in range(10_000))
