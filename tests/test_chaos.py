@@ -1,27 +1,27 @@
 """The chaos test: a training run interrupted at random points, restarted on random layouts, ends as if never stopped.
 
-A VMC training run (``tests/chaos_worker.py``: minSR, asynchronous checkpoints every ``EVERY`` steps, walkers
-as a ``sv.WalkerSet``) starts on 2 processes x 2 fake CPU devices through ``python -m shardvmc.launch`` and is
-interrupted three times, once each way, in an order and at steps drawn from a seed:
+A VMC training run (``tests/chaos_worker.py``: minSR, an asynchronous checkpoint every ``EVERY`` steps, walkers as a
+``sv.WalkerSet``) starts on 2 processes x 2 fake CPU devices through ``python -m shardvmc.launch`` and is
+interrupted once in each of three ways, in an order and at steps drawn from a seed:
 
 - ``kill``: one process (drawn) sends itself SIGKILL, right after the step's save (if any) has started;
-- ``term``: every process sends itself SIGTERM, a preemption notice (``sv.distributed.reached_preemption``):
-  the run saves the step the processes agree on and exits with ``sv.distributed.PREEMPTED_EXIT_CODE``;
+- ``term``: every process sends itself SIGTERM, a preemption notice (``sv.distributed.reached_preemption``): the
+  run saves the step the processes agree on and exits with ``sv.distributed.PREEMPTED_EXIT_CODE``;
 - ``raise``: one process (drawn) raises an exception.
 
-After one of the interruptions (drawn) the test flips a byte in the array data of the newest committed step.
-Each restart resumes from the newest intact step. Two sequences share the first run and the faults: one
-restarts every time on 2 x 2, and its final parameters, optimiser state, walkers and energies equal an
-uninterrupted 2 x 2 run's bit for bit; the other restarts on layouts drawn among 1 x 1, 1 x 3, 2 x 2 and 1 x 8
-(processes x devices), and its result equals the uninterrupted run's to the float64 round-off of a change of
-device count that ``docs/concepts.md`` states (``ROUND_OFF``), and bit for bit up to the first step computed on
-another device count. The walker count, 13, is one that 3, 4 and 8 devices do not divide.
+After the second interruption the test flips a byte in each array data file of the newest committed step. Every
+restart resumes from the newest intact step (the damaged one skipped with a ``DamagedCheckpointWarning`` naming it).
+Two sequences share the first run and the faults: one restarts on 2 x 2 after the second interruption and ends bit
+for bit as an uninterrupted 2 x 2 run (parameters, optimiser state, walkers, every step's energy); the other
+restarts after each interruption on a layout drawn among 1 x 1, 1 x 3, 2 x 2 and 1 x 8 (processes x devices) and
+ends within the float64 round-off of a change of device count that ``docs/concepts.md`` states (``ROUND_OFF``), and
+bit for bit up to the first step computed on another device count. The walker count, 13, is one that 3, 4 and 8
+devices do not divide.
 
-The faults happen at chosen steps (the worker is told where), never on a timer. The seed is
-``SHARDVMC_CHAOS_SEED`` (default 0): the plan is printed, so a failing seed can be run again
-(``SHARDVMC_CHAOS_SEED=5 python -m pytest tests/test_chaos.py -n 0 -s``); soak runs set other seeds. Every
+The faults happen at chosen steps (the worker is told where), never after a delay. The seed is
+``SHARDVMC_CHAOS_SEED`` (default 0) and the plan is printed, so a failing plan can be run again
+(``SHARDVMC_CHAOS_SEED=5 python -m pytest tests/test_chaos.py -n 0 -s``) and soak runs can draw others. Every
 process a launch started is found by a marker in its environment and killed at the end, whatever happened.
-The launches share one XLA compilation cache (a temporary directory): a layout compiles once.
 """
 
 from __future__ import annotations
@@ -49,11 +49,12 @@ import shardvmc as sv
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "chaos_worker.py"
 SEED = int(os.environ.get("SHARDVMC_CHAOS_SEED", "0"))
-STEPS, EVERY = 15, 3
+STEPS, EVERY = 18, 3
 ORIGINAL = (2, 2)  # processes x devices per process
 LAYOUTS = ((1, 1), (1, 3), (2, 2), (1, 8))
-WINDOWS = ((2, 4), (5, 8), (9, 12))  # the steps the first, second and third interruption are drawn from
-FLIP_FROM = 9  # an interruption at this step or later leaves two committed steps: one to damage, one to fall back to
+# The steps the first, second and third interruption are drawn from. The second comes at step 9 or later, so the
+# step it leaves newest (which is then damaged) has an older committed one to fall back to.
+WINDOWS = ((2, 5), (9, 12), (13, 16))
 ROUND_OFF = 1e-12  # docs/concepts.md: float64 runs on different device counts agree to 1e-12 of each leaf's scale
 LAUNCH_TIMEOUT_S = 420  # the launcher's own --timeout, a bound against hangs only
 EXIT = {"kill": 128 + signal.SIGKILL, "raise": 1, "term": sv.distributed.PREEMPTED_EXIT_CODE, None: 0}
@@ -64,38 +65,49 @@ class Fault:
     kind: str  # "kill", "term" or "raise"
     at: int  # the step after which it happens
     process: int  # the process that fails (kill, raise), modulo the layout's process count
-    flip: bool  # flip a byte of the newest committed step afterwards
 
     def args(self, processes: int) -> list[str]:
         return ["--fault", self.kind, "--at", str(self.at), "--process", str(self.process % processes)]
 
     def __str__(self) -> str:
         who = "every process" if self.kind == "term" else f"process {self.process} (mod P)"
-        return f"{self.kind} by {who} at step {self.at}" + (", then a byte flipped" if self.flip else "")
+        return f"{self.kind} by {who} at step {self.at}"
 
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
+    """The faults (one of each kind) and the layouts of the elastic sequence's restarts, drawn from ``seed``."""
+
     seed: int
-    faults: tuple[Fault, ...]
-    layouts: tuple[tuple[int, int], ...]  # of the restarts, one per fault, in the elastic sequence
+    faults: tuple[Fault, Fault, Fault]
+    layouts: tuple[tuple[int, int], ...]  # one per restart of the elastic sequence
 
     @staticmethod
     def draw(seed: int) -> Plan:
         rng = random.Random(seed)
         kinds = rng.sample(["kill", "term", "raise"], 3)
-        steps = [rng.randint(*window) for window in WINDOWS]
-        flip = rng.choice([i for i, at in enumerate(steps) if at >= FLIP_FROM])
-        faults = tuple(Fault(k, at, rng.randrange(2), i == flip) for i, (k, at) in enumerate(zip(kinds, steps)))
-        return Plan(seed, faults, tuple(rng.choice(LAYOUTS) for _ in faults))
+        faults = tuple(Fault(kind, rng.randint(*window), rng.randrange(2)) for kind, window in zip(kinds, WINDOWS))
+        return Plan(seed, faults, tuple(rng.choice(LAYOUTS) for _ in faults))  # type: ignore[arg-type]
+
+    def sequences(self) -> dict[str, list[tuple[tuple[int, int], Fault | None]]]:
+        """Each sequence's launches after the shared first one: layout and fault (``None``: to the end)."""
+        return {
+            "same": [(ORIGINAL, self.faults[1]), (ORIGINAL, None)],
+            "elastic": list(zip(self.layouts, [*self.faults[1:], None])),
+        }
 
     def __str__(self) -> str:
-        lines = [f"chaos plan of seed {self.seed} (SHARDVMC_CHAOS_SEED), {STEPS} steps, a save every {EVERY}:"]
-        lines.append(f"  run 0 on {_name(ORIGINAL)}: {self.faults[0]}")
-        for i, layout in enumerate(self.layouts):
-            then = str(self.faults[i + 1]) if i + 1 < len(self.faults) else "runs to the end"
-            lines.append(f"  restart {i + 1} on {_name(ORIGINAL)} (same) or {_name(layout)} (elastic): {then}")
-        return "\n".join(lines)
+        def launches(items: list[tuple[tuple[int, int], Fault | None]]) -> str:
+            return "; ".join(f"{_name(layout)} {fault or 'to the end'}" for layout, fault in items)
+
+        return "\n".join(
+            [
+                f"chaos plan of seed {self.seed} (SHARDVMC_CHAOS_SEED): {STEPS} steps, a save every {EVERY}; after "
+                "the second interruption a byte is flipped in each array data file of the newest committed step",
+                f"  first run (shared): {launches([(ORIGINAL, self.faults[0])])}",
+                *(f"  then {name:8} {launches(items)}" for name, items in self.sequences().items()),
+            ]
+        )
 
 
 def _name(layout: tuple[int, int]) -> str:
@@ -109,10 +121,24 @@ def _env(marker: str, cache: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SHARDVMC_")}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH", "")]))
     env["SHARDVMC_CHAOS_MARKER"] = marker  # (not a launcher variable) finds every process to clean up
-    env["JAX_COMPILATION_CACHE_DIR"] = str(cache)
-    env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
-    env["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "-1"
+    env["SHARDVMC_CHAOS_CACHE"] = str(cache)  # (read back by _launch)
     return env
+
+
+def _cached(env: dict[str, str], processes: int) -> dict[str, str]:
+    """``env`` with JAX's persistent compilation cache for a single process, without it for several.
+
+    JAX writes the cache from process 0 only, and process 1's keys differ from process 0's, so process 1 of a
+    launch compiles anyway; with the cache, process 0 would reach the first collective that much earlier, and
+    under load more than the 30 s gloo waits for a peer when it sets up a communicator (DEADLINE_EXCEEDED).
+    """
+    if processes > 1:
+        return env
+    return env | {
+        "JAX_COMPILATION_CACHE_DIR": env["SHARDVMC_CHAOS_CACHE"],
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1",
+    }
 
 
 def _marked(marker: str) -> list[int]:
@@ -156,11 +182,13 @@ class Launch:
 def _launch(directory: Path, launch: Launch, env: dict[str, str]) -> None:
     processes, devices = launch.layout
     command = [sys.executable, "-m", "shardvmc.launch", "--processes", str(processes)]
-    command += ["--devices-per-process", str(devices), "--timeout", str(LAUNCH_TIMEOUT_S), "--"]
+    command += ["--devices-per-process", str(devices), "--timeout", str(LAUNCH_TIMEOUT_S), "--grace", "1", "--"]
     command += [sys.executable, str(WORKER), str(directory), "--steps", str(STEPS), "--every", str(EVERY)]
-    command += ["--segment", launch.name, *(launch.fault.args(processes) if launch.fault else [])]
+    command += ["--name", launch.name, *(launch.fault.args(processes) if launch.fault else [])]
     started = time.monotonic()
-    proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        command, cwd=ROOT, env=_cached(env, processes), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     output: list[str] = []
     reader = threading.Thread(target=lambda: output.append(proc.stdout.read() if proc.stdout else ""), daemon=True)
     reader.start()
@@ -206,34 +234,41 @@ class Damage:
         return len(data) > self.offset and data[self.offset] == self.value
 
 
-def flip_a_byte(directory: Path, rng: random.Random) -> Damage:
-    """Flip one byte of the array data of the newest committed step (the chunk files of its OCDBT store)."""
+def flip_bytes(directory: Path, rng: random.Random) -> list[Damage]:
+    """Flip one byte in each array data file of the newest committed step (the ``d/`` files of its OCDBT store).
+
+    One in each, not one in all: a multi-process save leaves the data in the merged store (``arrays/d``) and
+    its per-process files (``arrays/ocdbt.process_*/d``) unread, so a flip there alone changes nothing read.
+    """
     step = committed(directory)[-1]
-    chunks = sorted(p for p in (directory / "state" / str(step) / "arrays").glob("ocdbt.process_*/d/*") if p.is_file())
-    assert chunks, f"step {step} has no array data files: {sorted((directory / 'state' / str(step)).rglob('*'))}"
-    file = rng.choice(chunks)
-    data = bytearray(file.read_bytes())
-    offset = rng.randrange(len(data))
-    data[offset] ^= rng.randrange(1, 256)
-    file.write_bytes(bytes(data))
-    return Damage(step, file, offset, data[offset])
+    arrays = directory / "state" / str(step) / "arrays"
+    files = sorted((p for p in arrays.glob("**/d/*") if p.is_file()), key=lambda p: (str(p.parent), p.stat().st_size))
+    assert files, f"step {step} has no array data files: {sorted(arrays.rglob('*'))}"
+    damage = []
+    for file in files:  # (sorted by folder and size: the names are random)
+        data = bytearray(file.read_bytes())
+        offset = rng.randrange(len(data))
+        data[offset] ^= rng.randrange(1, 256)
+        file.write_bytes(bytes(data))
+        damage.append(Damage(step, file, offset, data[offset]))
+    return damage
 
 
-def _run_sequence(directory: Path, launches: list[Launch], env: dict[str, str], seed: int) -> Damage | None:
+def _run_sequence(directory: Path, launches: list[Launch], env: dict[str, str], seed: int) -> None:
     """Run the launches one after another in ``directory``, damaging a step where planned; stop at a surprise."""
     rng = random.Random(f"{seed}-flip")
-    damage = None
+    damage: list[Damage] = []
     for i, launch in enumerate(launches):
-        intact = [s for s in committed(directory) if damage is None or s != damage.step or not damage.present()]
+        damaged = {d.step for d in damage if d.present()}  # (unless a run replaced the step)
+        intact = [s for s in committed(directory) if s not in damaged]
         launch.expected_restore = intact[-1] if intact else None
         _launch(directory, launch, env)
         launch.committed = committed(directory)
         if launch.code != EXIT[launch.fault.kind if launch.fault else None]:
-            return damage  # the tests report it; the next launch would not tell more
-        if launch.fault is not None and launch.fault.flip and i + 1 < len(launches):
-            damage = flip_a_byte(directory, rng)
-            launches[i + 1].damaged = damage.step
-    return damage
+            return  # the tests report it; the next launch would not tell more
+        if i == 0 and i + 1 < len(launches):  # after the second interruption (the first launch of a sequence)
+            damage = flip_bytes(directory, rng)
+            launches[i + 1].damaged = damage[0].step
 
 
 def _result(directory: Path) -> dict[str, np.ndarray] | None:
@@ -253,9 +288,10 @@ def chaos(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     marker = uuid.uuid4().hex
     env = _env(marker, tmp / "xla_cache")
     first = Launch("run0", ORIGINAL, plan.faults[0])
-    rest = plan.faults[1:] + (None,)
-    same = [Launch(f"same{i + 1}", ORIGINAL, fault) for i, fault in enumerate(rest)]
-    elastic = [Launch(f"elastic{i + 1}", layout, fault) for i, (layout, fault) in enumerate(zip(plan.layouts, rest))]
+    sequences = {
+        name: [Launch(f"{name}{i + 1}", layout, fault) for i, (layout, fault) in enumerate(items)]
+        for name, items in plan.sequences().items()
+    }
     reference = Launch("reference", ORIGINAL, None)
     started = time.monotonic()
     try:
@@ -264,7 +300,7 @@ def chaos(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         threads[0].start()
         _run_sequence(tmp / "first", [first], env, SEED)
         if first.code == EXIT[first.fault.kind]:
-            for name, launches in (("same", same), ("elastic", elastic)):
+            for name, launches in sequences.items():
                 shutil.copytree(tmp / "first", tmp / name)
                 threads.append(threading.Thread(target=_run_sequence, args=(tmp / name, launches, env, SEED)))
                 threads[-1].start()
@@ -277,7 +313,7 @@ def chaos(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             except ProcessLookupError:
                 pass
     print(f"chaos: every launch done in {time.monotonic() - started:.0f} s; per launch (wall, CPU):", flush=True)
-    for launch in [reference, first, *same, *elastic]:
+    for launch in [reference, first, *sequences["same"], *sequences["elastic"]]:
         if launch.code is not None:
             what = str(launch.fault) if launch.fault else "to the end"
             print(f"  {launch.name:9} {_name(launch.layout)} {what:50} exit {launch.code:3} "
@@ -286,8 +322,7 @@ def chaos(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "plan": plan,
         "first": first,
         "reference": reference,
-        "same": same,
-        "elastic": elastic,
+        **sequences,
         "results": {name: _result(tmp / name) for name in ("reference", "same", "elastic")},
     }
 
@@ -328,7 +363,8 @@ def test_every_restart_resumes_from_the_newest_intact_step(chaos: dict[str, Any]
             assert record["layout"] == list(launch.layout), launch.describe()
             assert record["restored"] == launch.expected_restore, f"{launch.describe()}\n{_context(chaos, name)}"
             if launch.damaged is not None:  # the damaged step is named in a warning
-                named = [w for w in record["warnings"] if re.search(rf"\b{launch.damaged}\b", w)]
+                pattern = rf"DamagedCheckpointWarning: .*\b{launch.damaged}\b"
+                named = [w for w in record["warnings"] if re.match(pattern, w)]
                 assert named, f"no warning names the damaged step {launch.damaged}: {record['warnings']}"
     assert any(launch.damaged is not None for launch in chaos[name]), _context(chaos, name)
 
