@@ -54,7 +54,7 @@ ORIGINAL = (2, 2)  # processes x devices per process
 LAYOUTS = ((1, 1), (1, 3), (2, 2), (1, 8))
 # The steps the first, second and third interruption are drawn from. The second comes at step 9 or later, so the
 # step it leaves newest (which is then damaged) has an older committed one to fall back to.
-WINDOWS = ((2, 5), (9, 12), (13, 16))
+WINDOWS = ((2, 5), (9, 12), (13, 15))
 ROUND_OFF = 1e-12  # docs/concepts.md: float64 runs on different device counts agree to 1e-12 of each leaf's scale
 LAUNCH_TIMEOUT_S = 420  # the launcher's own --timeout, a bound against hangs only
 EXIT = {"kill": 128 + signal.SIGKILL, "raise": 1, "term": sv.distributed.PREEMPTED_EXIT_CODE, None: 0}
@@ -145,6 +145,8 @@ def _marked(marker: str) -> list[int]:
     """The processes whose environment holds ``marker``: the launchers and workers of this test."""
     pids = []
     needle = f"SHARDVMC_CHAOS_MARKER={marker}".encode()
+    if not Path("/proc").is_dir():  # (not Linux: the launchers' own stopping is all there is)
+        return pids
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit() and int(entry.name) != os.getpid():
             try:
@@ -182,7 +184,7 @@ class Launch:
 def _launch(directory: Path, launch: Launch, env: dict[str, str]) -> None:
     processes, devices = launch.layout
     command = [sys.executable, "-m", "shardvmc.launch", "--processes", str(processes)]
-    command += ["--devices-per-process", str(devices), "--timeout", str(LAUNCH_TIMEOUT_S), "--grace", "1", "--"]
+    command += ["--devices-per-process", str(devices), "--timeout", str(LAUNCH_TIMEOUT_S), "--"]
     command += [sys.executable, str(WORKER), str(directory), "--steps", str(STEPS), "--every", str(EVERY)]
     command += ["--name", launch.name, *(launch.fault.args(processes) if launch.fault else [])]
     started = time.monotonic()
@@ -347,10 +349,13 @@ def test_every_interruption_ends_the_run_as_planned(chaos: dict[str, Any], name:
         fault = launch.fault
         if fault is not None and fault.kind == "raise":
             assert f"chaos: the planned failure of process {fault.process % launch.layout[0]}" in launch.output
-        if fault is not None and fault.kind == "term":  # every process saved the same step and left
-            steps = {r.get("left"): r.get("step") for r in launch.records}
-            assert len(launch.records) == launch.layout[0] and list(steps) == ["preempted"], launch.describe()
-            assert steps["preempted"] >= fault.at and steps["preempted"] in launch.committed, launch.describe()
+        if fault is not None and fault.kind == "term":
+            # The processes saved the same step and left with PREEMPTED_EXIT_CODE. (The launcher stops the others
+            # once the first has left, so a slower one may not have written its record.)
+            left = {(r.get("left"), r.get("step")) for r in launch.records} - {(None, None)}
+            assert len(left) == 1 and next(iter(left))[0] == "preempted", launch.describe()
+            step = next(iter(left))[1]
+            assert step >= fault.at and step in launch.committed, launch.describe()
         if fault is None:
             assert [r["left"] for r in launch.records] == ["finished"] * launch.layout[0], launch.describe()
 
@@ -394,10 +399,10 @@ def test_restarts_on_other_layouts_end_as_the_uninterrupted_run_to_round_off(cha
     differences = _differences(got, reference)
     print(f"elastic sequence vs the uninterrupted run, largest relative differences: {differences}")
     assert max(differences.values()) <= ROUND_OFF, f"{differences}\n{_context(chaos, 'elastic')}"
-    # Up to the first step computed on another device count, the energies are the uninterrupted run's exactly.
-    other = [launch.expected_restore or 0 for launch in chaos["elastic"] if np.prod(launch.layout) != 4]
+    # Up to the first step computed on another layout, the energies are the uninterrupted run's exactly.
+    other = [launch.expected_restore or 0 for launch in chaos["elastic"] if launch.layout != ORIGINAL]
     exact = min(other, default=STEPS)
     np.testing.assert_array_equal(got["energies"][:exact], reference["energies"][:exact])
-    if not other:  # every restart happened to keep 4 devices: bit for bit
+    if not other:  # every restart happened to keep the original layout: bit for bit
         for k in reference:
             np.testing.assert_array_equal(got[k], reference[k], err_msg=k)
