@@ -19,9 +19,9 @@ resumed past it:
 ``raise``
     process ``I`` raises an exception;
 ``term``
-    every process sends itself SIGTERM, a preemption notice (SLURM sends one to every task): once
-    ``sv.distributed.reached_preemption`` says so, the run saves that step and exits with
-    ``sv.distributed.PREEMPTED_EXIT_CODE``.
+    every process waits until its last save is committed, then sends itself SIGTERM, a preemption notice (SLURM
+    sends one to every task): once ``sv.distributed.reached_preemption`` says so, the run saves that step and
+    exits with ``sv.distributed.PREEMPTED_EXIT_CODE``.
 
 Each process writes ``DIR/records/<NAME>_<process>.json`` once it has restored (the step, the warnings of the
 restore) and again when it leaves on its own; the times in it are (seconds since ``main`` started, CPU seconds
@@ -55,7 +55,7 @@ HIDDEN = 6  # the Jastrow network's width
 SWEEPS = 2  # Metropolis moves per step
 SEED = 7
 FAULTS = ("kill", "raise", "term")
-TERM_WAIT_S = 2.0  # after a SIGTERM, per step: time for the notice to reach every process through JAX's service
+TERM_WAIT_S = 2.0  # after a SIGTERM, per step: JAX's notifier looks for it every second, then tells every process
 
 OPTIMISER = optax.chain(
     svx.natural_gradient(damping=1e-3, method="minsr"),
@@ -139,23 +139,6 @@ def initial_state(mesh: Any, steps: int) -> dict[str, Any]:
     }
 
 
-def placed(state: dict[str, Any], mesh: Any) -> dict[str, Any]:
-    """The state on the shardings the training step returns, so that the step compiles once (fresh or restored)."""
-    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    by_walker = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("walkers"))
-    s = state["sampler"]
-    return {
-        **state,
-        "params": jax.device_put(state["params"], replicated),
-        "opt": jax.device_put(state["opt"], replicated),
-        "sampler": s._replace(
-            walkers=jax.device_put(s.walkers, by_walker),
-            width=jax.device_put(s.width, replicated),
-            acceptance=jax.device_put(s.acceptance, replicated),
-        ),
-    }
-
-
 def write_result(path: Path, state: dict[str, Any]) -> None:
     """Process 0 writes the final state (the walkers are gathered: call it on every process)."""
     walkers = sv.gather_walkers(state["sampler"].walkers.data)
@@ -210,7 +193,6 @@ def main(argv: list[str]) -> None:
                 state, restored = initial_state(mesh, args.steps), None
         record["times"]["restored"] = now()
         write_record(restored=restored, warnings=[f"{w.category.__name__}: {w.message}" for w in caught])
-        state = placed(state, mesh)
         signalled = fired = False
         while state["step"] < args.steps:
             state = train(state)
@@ -228,6 +210,7 @@ def main(argv: list[str]) -> None:
             due = args.fault is not None and t >= args.at and not fired
             fired = fired or due
             if due and args.fault == "term":  # after reached_preemption, which handed SIGTERM to JAX's notifier
+                ckpt.wait()  # the notice comes once the last save is committed (and finalised)
                 os.kill(os.getpid(), signal.SIGTERM)
                 signalled = True
             if due and me == args.process and args.fault == "kill":
