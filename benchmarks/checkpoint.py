@@ -12,10 +12,13 @@ with ``sv.save_state`` and restored with ``sv.load_state``; beside it, the walke
 through ``sv.save_state`` (asynchronous) and ``sv.save_walkers`` (the same storage,
 returning once committed), measured in turn in each repetition. Figures are medians over
 ``--reps`` repetitions, in seconds: ``save`` until the call returns (the state is on the
-host), ``commit`` until the checkpoint is on disk, ``restore``.
+host), ``commit`` until the checkpoint is on disk, ``restore``. ``checksums on save`` and
+``checksums on restore`` time what the checksums of every array add to a save and a restore
+of the whole state (computing them; checking the arrays read against them), measured alone in
+the same repetitions: a save or restore without checksums takes that much less.
 
 ``steps``: the optimisation step of ``examples/neural_vmc.py`` (FermiNet-style network,
-folx Laplacian, natural gradient by CG on CPU as the example's command line picks;
+folx Laplacian, natural gradient by minSR, the example's default, or ``--optimiser``;
 imported from the example by file path) in
 blocks of 20 steps, with a ``sv.Checkpointer`` save of the whole state every 10 steps
 and without, the two blocks interleaved (the order reversed every other repetition);
@@ -73,6 +76,28 @@ def make_state(mesh: Any, walkers: int, electrons: int, params: int) -> dict[str
     adam = optax.adam(1e-3)
     opt = jax.jit(lambda q: adam.update(jax.tree.map(jnp.sin, q), adam.init(q), q)[1])(p)
     return {"walkers": walker_set, "params": p, "opt": opt, "step": 1000, "key": jax.random.key(3)}
+
+
+def checksum_times(state: dict[str, Any]) -> tuple[float, float]:
+    """Seconds to compute the checksums of ``state``'s arrays as a save does, and to check them as a restore does."""
+    import jax
+
+    import shardvmc as sv
+    from shardvmc import _checksum  # the checksums a checkpoint stores (benchmarked, not public)
+
+    walker_leaves = jax.tree.leaves(state["walkers"].data)
+    other = [x for x in jax.tree.leaves({k: v for k, v in state.items() if k != "walkers"}) if isinstance(x, jax.Array)]
+    other = [jax.random.key_data(x) if jax.numpy.issubdtype(x.dtype, jax.dtypes.prng_key) else x for x in other]
+    start = time.perf_counter()
+    sums = [_checksum.row_checksums(x) for x in walker_leaves] + [_checksum.checksum(x) for x in other]
+    jax.block_until_ready(sums)
+    saved = time.perf_counter() - start
+    start = time.perf_counter()
+    rows = [x.shape[0] for x in walker_leaves]
+    flags = [_checksum.differs(x, s, n) for x, s, n in zip(walker_leaves, sums, rows)]
+    flags += [_checksum.differs(x, s) for x, s in zip(other, sums[len(walker_leaves) :])]
+    assert not any(jax.device_get(flags)) and isinstance(state["walkers"], sv.WalkerSet)
+    return saved, time.perf_counter() - start
 
 
 def io(args: argparse.Namespace) -> dict[str, Any]:
@@ -140,6 +165,11 @@ def io(args: argparse.Namespace) -> dict[str, Any]:
                     start = time.perf_counter()
                     jax.block_until_ready(sv.load_state(target, tree, mesh=other, n_walkers=2 * args.walkers)[0])
                     add("state restore on 3 devices, twice the walkers", time.perf_counter() - start)
+            if variant == "state":
+                on_save, on_restore = checksum_times(state)
+                if rep:
+                    add("checksums on save", on_save)
+                    add("checksums on restore", on_restore)
             if rep:
                 add(f"{variant} save", saved)
                 add(f"{variant} commit", committed)
@@ -148,6 +178,8 @@ def io(args: argparse.Namespace) -> dict[str, Any]:
     if rows.get("state restore on 3 devices"):
         rows = {k: v[1:] if k.startswith("state restore on 3") else v for k, v in rows.items()}  # (first: warm-up)
     result.update({f"{k} s": _median(v) for k, v in rows.items()})
+    result["checksums share of the state's commit"] = result["checksums on save s"] / result["state commit s"]
+    result["checksums share of the state's restore"] = result["checksums on restore s"] / result["state restore s"]
     result["reps"] = args.reps
     if me == 0:
         print(json.dumps(result, indent=1))

@@ -8,8 +8,11 @@ length, float64, every device of the process (8 fake CPU devices by default).
 
 - NetKet: ``nk.sampler.MetropolisGaussian``, ``nk.vqs.MCState``, ``KineticEnergy`` +
   ``PotentialEnergy``, ``nk.driver.VMC_SR(use_ntk=False)`` with ``optax.sgd``.
-- shardvmc: ``sv.mcmc.Metropolis``, ``sv.hamiltonian.local_energy``,
-  ``shardvmc.optax.natural_gradient(method="dense")``, one ``jax.jit`` step.
+- shardvmc: ``sv.driver.VMC`` (``sv.mcmc.Metropolis``, ``sv.hamiltonian.local_energy``,
+  ``shardvmc.optax.natural_gradient(method="dense")``) run by ``sv.driver.run``, evaluated by ``vmc.expect``.
+
+Both sides are the whole job of ``docs/vmc.md``: the optimisation through the library's driver,
+then the energy at fixed parameters (NetKet's ``vstate.expect(H)``, ``vmc.expect``).
 
 NetKet's ``VMC_SR`` solves ``(S + shift) d = 2 cov(J, e)`` (the energy gradient), shardvmc's
 natural gradient ``(S + damping) d = cov(J, e)``: NetKet's learning rate is half of
@@ -17,11 +20,16 @@ shardvmc's for the same step.
 
 Timing: interleaved blocks of ``--block`` steps (NetKet's block, then shardvmc's, the
 order reversed every other round, after two warm-up blocks each); the figure is the median
-over rounds of the per-round ratio shardvmc / NetKet with its quartiles. Also printed:
+over rounds of the per-round ratio shardvmc / NetKet with its quartiles. The loop's own cost
+is measured in the same run, the same way: blocks of ``sv.driver.run(vmc.step, ...)`` against
+blocks of the bare loop ``state, stats = vmc.step(state, key)`` (which never reads a
+statistic), interleaved; the figure is the ratio loop / bare step (goal <= 1.02). Also printed:
 the time to build each side (its objects and initial state), the first step (compilation
 included), the energy of each side over the second half of its steps (``sv.statistics`` of
-the per-step means), and the lines of user code of each side (the regions between the
-``# user code`` markers of this file, blank and comment lines left out).
+the per-step means), the evaluation's estimate (``expect``, over ``--eval-steps`` steps), and
+the lines of user code of each side: the lines between the ``# user code`` markers of this
+file, blank and comment lines left out (a ``# user code: both`` region, the model and the
+potential, counts for each side).
 
 Usage (from the repository root, with NetKet installed: ``pip install -e ".[bench]"``)::
 
@@ -60,11 +68,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=20, help="timed rounds (>= 20 for a real run)")
     parser.add_argument("--block", type=int, default=10, help="optimisation steps per side per round")
     parser.add_argument("--devices", type=int, default=8, help="fake CPU devices (default 8)")
+    parser.add_argument("--eval-steps", type=int, default=50, help="steps of the evaluation at fixed parameters")
     parser.add_argument("--smoke", action="store_true", help="shardvmc's side only at tiny sizes, without NetKet")
     parser.add_argument("--json", default="", help="also write the rows to this JSON file")
     args = parser.parse_args(argv)
     if args.smoke:
-        args.walkers, args.rounds, args.block = "13", 2, 2
+        args.walkers, args.rounds, args.block, args.eval_steps = "13", 2, 2, 4
     args.walkers = [int(n) for n in args.walkers.split(",")]
     return args
 
@@ -143,9 +152,13 @@ def main(argv: list[str] | None = None) -> int:
             driver.run(n_steps, callback=record, show_progress=False)
             return vstate.parameters
 
+        def evaluate(n_steps):
+            vstate.n_samples = n_walkers * n_steps  # n_steps samples per chain
+            return vstate.expect(hamiltonian)
+
         # end of user code
         built = time.perf_counter() - built
-        return {"run": run, "built": built, "energies": energies, "chains": sampler.n_chains}
+        return {"run": run, "evaluate": evaluate, "built": built, "energies": energies, "chains": sampler.n_chains}
 
     mesh = sv.create_mesh()
 
@@ -154,35 +167,34 @@ def main(argv: list[str] | None = None) -> int:
         energies: list[Any] = []
         # user code: shardvmc
         sampler = sv.mcmc.Metropolis(model.apply, n_steps=SWEEP, adapt_rate=0.0)
-        local_energy = sv.hamiltonian.local_energy(model.apply, potential)
         opt = optax.chain(svx.natural_gradient(damping=DAMPING, method="dense"), optax.sgd(LEARNING_RATE))
-
-        @sv.walker_parallel
-        def measure(params: sv.Replicated[dict], w: sv.PerWalker[sv.mcmc.Walker]) -> tuple[sv.PerWalker, sv.PerWalker]:
-            return local_energy(params, w), jax.grad(model.apply)(params, w.r)
-
-        @jax.jit
-        def step(params, opt_state, state, key):
-            state = sampler.step(params, state, key)
-            e, jac = measure(params, state.walkers)
-            updates, opt_state = opt.update(params, opt_state, params, jacobian=jac, local_energies=e)
-            energy = sv.statistics(e.data[:, None], n_valid=e.n_valid)  # one step of every walker: E ± error
-            return optax.apply_updates(params, updates), opt_state, state, energy
-
-        params, opt_state = sv.replicate((variables, opt.init(variables)))
+        vmc = sv.driver.VMC(model.apply, opt, potential, sampler=sampler)
         walkers = sv.initialize_walkers_sharded(lambda k: jax.random.normal(k, (6,)), n_walkers, key=jax.random.key(1))
-        state = sampler.init(params, walkers, width=WIDTH)
+        state = vmc.init(variables, walkers, width=WIDTH)
 
         def run(n_steps):
-            nonlocal params, opt_state, state
-            for _ in range(n_steps):
-                params, opt_state, state, energy = step(params, opt_state, state, jax.random.key(len(energies)))
-                energies.append(energy.mean)
-            return params
+            nonlocal state
+            result = sv.driver.run(vmc.step, state, n_steps, key=jax.random.key(len(energies)), progress=False)
+            state = result.state
+            energies.extend(result.history["energy"])
+            return state.params
+
+        def evaluate(n_steps):
+            return vmc.expect(state, n_steps, key=jax.random.key(-1), progress=False)
 
         # end of user code
         built = time.perf_counter() - built
-        return {"run": run, "built": built, "energies": energies, "chains": n_walkers}
+
+        def bare(n_steps):
+            """The bare jitted step, the loop's floor: the same steps, no statistic read, nothing recorded."""
+            nonlocal state
+            key = jax.random.key(10**6 + len(energies))
+            for t in range(n_steps):
+                state, _ = vmc.step(state, jax.random.fold_in(key, t))
+            return state.params
+
+        return {"run": run, "bare": bare, "evaluate": evaluate, "built": built, "energies": energies,
+                "chains": n_walkers}  # fmt: skip
 
     def on_mesh(fn: Any) -> Any:
         """``fn`` under shardvmc's mesh: NetKet sets its own mesh (axis "S") for the whole process at import."""
@@ -218,10 +230,17 @@ def main(argv: list[str] | None = None) -> int:
             first[name] = time.perf_counter() - start
         thunks = {name: (lambda run=job["timed"]: run(args.block)) for name, job in jobs.items()}
         times = interleaved(thunks, args.rounds)
+        # The loop against the bare jitted step: the same state carried on, blocks interleaved.
+        ours = jobs["shardvmc"]
+        loop_times = interleaved({"loop": thunks["shardvmc"], "bare": on_mesh(lambda: ours["bare"](args.block))},
+                                 args.rounds)  # fmt: skip
         row: dict[str, Any] = {"walkers": n_walkers, "rounds": args.rounds, "block": args.block}
+        row["loop_over_bare_step"] = str(ratio(loop_times, "loop", "bare"))
         for name, job in jobs.items():
             stats = energy_of(job["energies"])
             step = sorted(times[name])[len(times[name]) // 2] / args.block
+            evaluate = on_mesh(job["evaluate"]) if name == "shardvmc" else job["evaluate"]
+            estimate = evaluate(args.eval_steps)
             row[name] = {
                 "chains": job["chains"],
                 "build_s": round(job["built"], 2),
@@ -230,6 +249,8 @@ def main(argv: list[str] | None = None) -> int:
                 "steps": len(job["energies"]),
                 "energy": float(stats.mean),
                 "energy_error": float(stats.error_of_mean),
+                "expect": float(estimate.mean.real),
+                "expect_error": float(estimate.error_of_mean),
                 "user_lines": lines[name],
             }
         if "netket" in jobs:
@@ -237,18 +258,20 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row)
         print(json.dumps(row))
     print()
-    print("| walkers | step time shardvmc / NetKet | build (s) sv / nk | first step (s) sv / nk | E sv | E nk |")
-    print("|---|---|---|---|---|---|")
+    print("| walkers | step time shardvmc / NetKet | loop / bare step | build (s) sv / nk | first step (s) sv / nk "
+          "| expect sv | expect nk |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|")
     for row in rows:
         sv_row, nk_row = row["shardvmc"], row.get("netket")
-        energy = f"{sv_row['energy']:.5f} ± {sv_row['energy_error']:.5f}"
+        energy = f"{sv_row['expect']:.5f} ± {sv_row['expect_error']:.5f}"
         if nk_row is None:
-            print(f"| {row['walkers']} | - | {sv_row['build_s']} / - | {sv_row['first_step_s']} / - | {energy} | - |")
+            print(f"| {row['walkers']} | - | {row['loop_over_bare_step']} | {sv_row['build_s']} / - | "
+                  f"{sv_row['first_step_s']} / - | {energy} | - |")  # fmt: skip
             continue
         print(
-            f"| {row['walkers']} ({nk_row['chains']} NetKet chains) | {row['ratio']} | "
+            f"| {row['walkers']} ({nk_row['chains']} NetKet chains) | {row['ratio']} | {row['loop_over_bare_step']} | "
             f"{sv_row['build_s']} / {nk_row['build_s']} | {sv_row['first_step_s']} / {nk_row['first_step_s']} | "
-            f"{energy} | {nk_row['energy']:.5f} ± {nk_row['energy_error']:.5f} |"
+            f"{energy} | {nk_row['expect']:.5f} ± {nk_row['expect_error']:.5f} |"
         )
     print(f"\nlines of user code (model and potential included): {lines}; exact energy {EXACT} Ha")
     if args.json:

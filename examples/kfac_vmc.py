@@ -5,7 +5,7 @@ walkers, as under its ``pmap``: its means are ``pmean`` s over ``"qmc_pmap_axis"
 gradient a ``jax.custom_jvp`` (``E[(E_L - E) d log psi]`` with the local energies clipped),
 and it registers the network's output for kfac-jax's curvature. ``shardvmc.kfac.Optimizer``
 runs it on the walker-sharded batch. The network, the sampling, the evaluation, the run and
-its checkpoints are ``neural_vmc.py``'s (copy it, ``network.py`` and ``plumbing.py`` too).
+its checkpoints are ``neural_vmc.py``'s, on ``sv.driver.run`` (copy it, ``network.py`` and ``plumbing.py`` too).
 
     python examples/kfac_vmc.py --system Li
     python examples/kfac_vmc.py --quick --devices 2
@@ -86,15 +86,17 @@ def make_steps(config: vmc.Config, mesh: Any) -> vmc.Steps:
     sampler = vmc.make_sampler(config, mesh)
     sample = jax.jit(sampler.step)
 
-    def train(state: vmc.State, key: jax.Array) -> tuple[vmc.State, jax.Array]:
+    def train(state: vmc.State, key: jax.Array) -> tuple[vmc.State, dict[str, jax.Array]]:
         walkers = sample(state.params, state.sampler, key)
         # FermiNet's loss computes, clips and differentiates the energy itself, on the walkers' positions.
         params, opt, stats = optimiser.step(state.params, state.opt, jax.random.fold_in(key, 1),
                                             batch=walkers.positions, momentum=0.0, damping=config.damping)  # fmt: skip
-        return vmc.State(params, opt, walkers), jnp.stack([stats["loss"], stats["aux"]["variance"], walkers.acceptance])
+        energy, variance = stats["loss"], stats["aux"]["variance"]
+        return vmc.State(params, opt, walkers), vmc.step_stats(energy, variance + energy**2, config.walkers,
+                                                               walkers.acceptance)  # fmt: skip
 
     init = lambda params, positions, key: optimiser.init(params, key, positions)  # noqa: E731
-    return vmc.Steps(init, train, vmc.make_evaluate(config, mesh))
+    return vmc.Steps(init, train)
 
 
 # --8<-- [end:step]

@@ -3,12 +3,13 @@
 Variational Monte Carlo with the natural gradient (minSR, SPRING, dense SR or CG: an optax chain of
 ``shardvmc.optax``; ``kfac_vmc.py`` trains the same network with KFAC), the Metropolis moves of ``sv.mcmc``,
 and kernels written for ONE walker: the local energy (``sv.hamiltonian``) with the walker's row of
-``J = d log|psi| / d params``, and FermiNet's energy clipping. A preemption notice saves the training state
-and exits with 75. Copy it with ``network.py`` and ``plumbing.py``; figures and commands: ``docs/neural.md``.
+``J = d log|psi| / d params``, and FermiNet's energy clipping. ``sv.driver.run`` runs the training (progress,
+logs, checkpoints; a preemption notice saves the state and exits with 75; the same command resumes) and
+``sv.driver.expect`` the evaluation. Copy it with ``network.py`` and ``plumbing.py``; see ``docs/neural.md``.
 
     python examples/neural_vmc.py --system Li                      # minSR; 8 fake CPU devices
     python examples/neural_vmc.py --quick --devices 1              # a smoke test: seconds
-    python examples/neural_vmc.py --checkpoint run --checkpoint-every 50 [--resume --devices 4]   # go on after a stop
+    python examples/neural_vmc.py --checkpoint run --checkpoint-every 50 [--devices 4]   # again: goes on from there
     python -m shardvmc.launch --processes 2 --devices-per-process 2 -- python examples/neural_vmc.py --quick
 """
 
@@ -18,7 +19,7 @@ import dataclasses
 import functools
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -86,11 +87,6 @@ def measure(
 
 
 @sv.walker_parallel
-def measure_energy(params: sv.Replicated[Any], r: sv.PerWalker[jax.Array], system: sv.Static[System]):
-    return local_energy(params, r, system)  # the evaluation's measurement: no gradient
-
-
-@sv.walker_parallel
 def clip(
     e: sv.PerWalker[jax.Array], width: sv.Static[float]
 ) -> tuple[sv.PerWalker[jax.Array], sv.Mean[jax.Array], sv.Mean[jax.Array]]:
@@ -116,11 +112,10 @@ class State(NamedTuple):
 
 
 class Steps(NamedTuple):
-    """A training method: ``init(params, positions, key)``, ``train`` and ``evaluate(state, key) -> (state, stats)``."""
+    """A training method: ``init(params, positions, key)`` (the optimiser's state), ``train(state, key)``."""
 
     init: Callable[..., Any]
     train: Callable[..., Any]
-    evaluate: Callable[..., Any]
 
 
 @functools.cache
@@ -128,6 +123,18 @@ def make_sampler(config: Config, mesh: Any) -> sv.mcmc.Metropolis:
     """``config.sweeps`` all-electron Gaussian moves per call, the width adapted towards 50 % acceptance."""
     psi = functools.partial(log_psi, system=SYSTEMS[config.system])
     return sv.mcmc.Metropolis(psi, n_steps=config.sweeps, mesh=mesh, batch_size=config.batch_size)
+
+
+@functools.cache  # the same function for the same system: sv.driver.expect then reuses its compiled evaluation
+def energy_of(system: str) -> Callable[[Any, jax.Array], jax.Array]:
+    """The local energy of ONE walker of ``system``, ``energy(params, r)``: the evaluation's observable."""
+    return functools.partial(local_energy, system=SYSTEMS[system])
+
+
+def step_stats(e_mean: jax.Array, e2_mean: jax.Array, n: int, acceptance: jax.Array) -> dict[str, jax.Array]:
+    """What a training step reports: the mean local energy, its error bar over the walkers, the variance, acceptance."""
+    variance = jnp.maximum(e2_mean - e_mean**2, 0.0)  # not below 0 by round-off
+    return {"energy": e_mean, "error": jnp.sqrt(variance / n), "variance": variance, "acceptance": acceptance}
 
 
 # --8<-- [start:step]
@@ -143,7 +150,7 @@ def make_steps(config: Config, mesh: Any) -> Steps:
     )  # fmt: skip
 
     @jax.jit
-    def train(state: State, key: jax.Array) -> tuple[State, jax.Array]:
+    def train(state: State, key: jax.Array) -> tuple[State, dict[str, jax.Array]]:
         walkers = sampler.step(state.params, state.sampler, key)  # refreshes log|psi| for the new params
         measure_ = measure.with_options(mesh=mesh, batch_size=config.batch_size)
         e, j = measure_(state.params, walkers.positions, system)
@@ -151,107 +158,88 @@ def make_steps(config: Config, mesh: Any) -> Steps:
         p = state.params
         updates, opt = optimiser.update(p, state.opt, p, jacobian=j, local_energies=e_clipped)
         state = State(optax.apply_updates(state.params, updates), opt, walkers)
-        return state, jnp.stack([e_mean, e2_mean - e_mean**2, walkers.acceptance])
+        return state, step_stats(e_mean, e2_mean, e.n_valid, walkers.acceptance)
 
-    return Steps(lambda p, positions, key: jax.jit(optimiser.init)(p), train, make_evaluate(config, mesh))
+    return Steps(lambda p, positions, key: jax.jit(optimiser.init)(p), train)
 
 
 # --8<-- [end:step]
 
 
-@functools.cache
-def make_evaluate(config: Config, mesh: Any) -> Callable[..., Any]:
-    """``evaluate(state, key)``: Metropolis moves and the local energies, the parameters fixed."""
-    system, sampler = SYSTEMS[config.system], make_sampler(config, mesh)
-    energy = measure_energy.with_options(mesh=mesh, batch_size=config.batch_size)
-
-    @jax.jit
-    def evaluate(state: State, key: jax.Array) -> tuple[State, jax.Array]:
-        walkers = sampler.step(state.params, state.sampler, key)
-        e = energy(state.params, walkers.positions, system)
-        _, e_mean, e2_mean = clip.with_options(mesh=mesh)(e, config.clip)
-        return state._replace(sampler=walkers), jnp.stack([e_mean, e2_mean - e_mean**2, walkers.acceptance])
-
-    return evaluate
-
-
-def initial_state(config: Config, mesh: Any, steps: Steps, *, equilibrate: bool = True) -> State:
-    """Parameters, optimiser state and walkers; ``equilibrate``: ``config.burn_in`` moves with fixed parameters."""
+def initial_state(config: Config, mesh: Any, steps: Steps) -> State:
+    """Parameters, optimiser state and walkers after ``config.burn_in`` moves at the initial parameters."""
     system, root = SYSTEMS[config.system], jax.random.key(config.seed)
     dtype = jnp.float64 if config.x64 else jnp.float32
     sizes = (config.hidden, config.hidden_two, config.layers, config.determinants, dtype)
     params = sv.replicate(jax.jit(lambda key: init(key, system, *sizes))(jax.random.fold_in(root, 10**6)), mesh)
     positions = sv.initialize_walkers_sharded(lambda key: init_walker(key, system, dtype), config.walkers, mesh,
                                               key=jax.random.fold_in(root, 0))  # fmt: skip
-    walkers = make_sampler(config, mesh).init(params, positions, config.step_size)
-    state = State(params, steps.init(params, walkers.positions, jax.random.fold_in(root, 10**6 + 1)), walkers)
-    for i in range(-(-config.burn_in // config.sweeps) if equilibrate else 0):
-        state, _ = steps.evaluate(state, jax.random.fold_in(root, 2**31 + i))
-    return state
+    sampler = make_sampler(config, mesh)
+    walkers = sampler.init(params, positions, config.step_size)
+    burn_in = jax.jit(functools.partial(sampler.step, refresh=False))
+    for i in range(-(-config.burn_in // config.sweeps)):
+        walkers = burn_in(params, walkers, jax.random.fold_in(root, 2**31 + i))
+    return State(params, steps.init(params, walkers.positions, jax.random.fold_in(root, 10**6 + 1)), walkers)
 
 
+# --8<-- [start:run]
 def run(config: Config, mesh: Any, *, make: Callable[[Config, Any], Steps] = make_steps,
-        checkpoint: str | None = None, checkpoint_every: int = 100, resume: bool = False,
-        stop_after: int | None = None, print_every: int | None = None,
-        printer: Callable[[str], Any] = print) -> dict[str, Any]:  # fmt: skip
-    """Optimise for ``config.steps`` steps (the method ``make`` builds), evaluate for ``config.eval_steps``; a summary.
+        checkpoint: str | None = None, checkpoint_every: int = 100, stop_after: int | None = None,
+        print_every: int = 0) -> dict[str, Any]:  # fmt: skip
+    """Train ``config.steps`` steps (the method ``make`` builds), evaluate ``config.eval_steps``; a summary.
 
-    ``checkpoint``: a directory to save in every ``checkpoint_every`` steps, at the end, and on a
-    preemption notice (``status="preempted"``); ``resume`` continues there (on any mesh).
+    ``checkpoint``: a directory to save in every ``checkpoint_every`` steps, at the end and on a
+    preemption notice (then the process exits with 75); the same call goes on from there, on any
+    mesh. ``stop_after``: end the training there (a checkpoint is saved), to go on later.
     """
     start_time, root = time.perf_counter(), jax.random.key(config.seed)
-    total = config.steps + config.eval_steps
-    end = total if stop_after is None else min(total, stop_after)
-    saves = plumbing.Checkpoints(checkpoint, checkpoint_every, ("energy", "variance", "acceptance"))
     with jax.enable_x64(config.x64), sv.use_mesh(mesh):
         steps = make(config, mesh)
-        restored = saves.restore(config, lambda: initial_state(config, mesh, steps, equilibrate=False), mesh, printer)
-        state, history = restored or (initial_state(config, mesh, steps), [])
+        state = initial_state(config, mesh, steps)
         sv.distributed.check_consistent(state.params)  # every process holds the same parameters
-        first, every = len(history), max(total // 20, 1) if print_every is None else print_every
-        progress = plumbing.Progress(total, first, config.walkers, printer, every)
-        status, compile_seconds = "finished" if end == total else "stopped", None
-        for t in range(first, end):
-            t0 = time.perf_counter()
-            step = steps.train if t < config.steps else steps.evaluate
-            state, stats = step(state, jax.random.fold_in(root, t + 1))
-            history.append([float(v) for v in stats.addressable_shards[0].data])  # this process's copy
-            compile_seconds = time.perf_counter() - t0 if compile_seconds is None else compile_seconds
-            progress.update(t, "opt " if t < config.steps else "eval", *history[-1])
-            if not np.isfinite(history[-1][0]):
-                raise FloatingPointError(f"the energy is {history[-1][0]} at step {t + 1}")
-            if saves.after_step(t + 1, history, state, config, last=t + 1 == end):
-                status = "preempted"
-                break
-        saves.close()
-    n_params = sum(x.size for x in jax.tree.leaves(state.params))
-    return summarise(config, history, status, mesh, n_params, time.perf_counter() - start_time, compile_seconds)
+        # A checkpoint of other settings is refused; the step counts and the batch size may change.
+        settings = dataclasses.asdict(dataclasses.replace(config, steps=0, eval_steps=0, batch_size=None))
+        n = config.steps if stop_after is None else min(config.steps, stop_after)
+        lines = sv.driver.PrintLog(print_every) if print_every else None
+        result = sv.driver.run(steps.train, state, n, key=jax.random.fold_in(root, 1), out=lines,
+                               metadata=settings, checkpoint=checkpoint,
+                               checkpoint_every=checkpoint_every)  # fmt: skip
+        estimate = None
+        if result.status == "finished" and n == config.steps and config.eval_steps:
+            sampler, params = make_sampler(config, mesh), result.state.params
+            estimate = sv.driver.expect(sampler, energy_of(config.system), params, result.state.sampler,
+                                        config.eval_steps, key=jax.random.fold_in(root, 2))  # fmt: skip
+    n_params = sum(x.size for x in jax.tree.leaves(result.state.params))
+    status = "finished" if result.status == "finished" and n == config.steps else "stopped"
+    seconds = time.perf_counter() - start_time
+    return summarise(config, result.history, estimate, status, mesh, n_params, seconds)
 
 
-def summarise(config: Config, history: list[list[float]], status: str, mesh: Any, n_params: int, seconds: float,
-              compile_seconds: float | None) -> dict[str, Any]:  # fmt: skip
-    """The run's summary: the evaluation's energy with its error bar (``sv.statistics``) when there is one."""
-    system, h = SYSTEMS[config.system], np.asarray(history, dtype=np.float64).reshape(-1, 3)
+# --8<-- [end:run]
+
+
+def summarise(config: Config, history: Mapping[str, Any], estimate: sv.Stats | None, status: str, mesh: Any,
+              n_params: int, seconds: float) -> dict[str, Any]:  # fmt: skip
+    """The run's summary: the evaluation's energy with its error bar (``sv.driver.expect``) when there is one."""
+    system, energies = SYSTEMS[config.system], np.asarray(history["energy"], dtype=np.float64)
     energy = error = fraction = None
-    if status == "finished" and config.eval_steps:
-        # The per-step means over all walkers: one chain, whose error bar accounts for its autocorrelation.
-        with jax.enable_x64(True):  # the float64 history, whatever the run computed in
-            stats = sv.statistics(h[config.steps :, 0][None], mesh=sv.create_mesh(jax.local_devices()[:1]))
-        energy, error = float(stats.mean), float(stats.error_of_mean)
+    if estimate is not None:
+        energy, error = float(estimate.mean), float(estimate.error_of_mean)
         if system.hf_energy is not None:
             fraction = (system.hf_energy - energy) / (system.hf_energy - system.exact_energy)
-    optimisation = h[: config.steps, 0]
-    average = np.convolve(optimisation, np.ones(50) / 50, mode="valid") if optimisation.size >= 50 else np.zeros(0)
+    average = np.convolve(energies, np.ones(50) / 50, mode="valid") if energies.size >= 50 else np.zeros(0)
     reached = np.flatnonzero(average <= system.exact_energy + CHEMICAL_ACCURACY)
     return {
-        "system": config.system, "optimiser": config.optimiser, "status": status, "steps_done": len(h),
+        "system": config.system, "optimiser": config.optimiser, "status": status, "steps_done": len(energies),
         "energy": energy, "error": error, "exact": system.exact_energy, "hf": system.hf_energy,
         "correlation_fraction": fraction, "best_average_50": float(average.min()) if average.size else None,
         "chemical_accuracy_step": int(reached[0]) + 50 if reached.size else None,
         "devices": int(mesh.devices.size), "platform": str(mesh.devices.flat[0].platform),
-        "processes": jax.process_count(), "walkers": config.walkers, "n_params": n_params,
-        "seconds": seconds, "compile_seconds": compile_seconds, "config": dataclasses.asdict(config),
-        "energies": h[:, 0].tolist(), "variances": h[:, 1].tolist(), "acceptances": h[:, 2].tolist(),
+        "processes": jax.process_count(), "walkers": config.walkers, "n_params": n_params, "seconds": seconds,
+        "compile_seconds": float(history["step_time"][0]) if len(energies) else None,
+        "config": dataclasses.asdict(config), "energies": energies.tolist(),
+        "variances": np.asarray(history["variance"]).tolist(),
+        "acceptances": np.asarray(history["acceptance"]).tolist(),
     }  # fmt: skip
 
 
@@ -260,8 +248,7 @@ def report(s: dict[str, Any], quick: bool) -> list[str]:
     lines = [f"{s['system']}, {s['optimiser']}: {s['walkers']} walkers on {s['devices']} {s['platform']} devices, "
              f"{s['n_params']} parameters, {s['steps_done']} steps in {s['seconds']:.1f} s"]  # fmt: skip
     if s["status"] != "finished":
-        total = s["config"]["steps"] + s["config"]["eval_steps"]
-        lines.append(f"{s['status']} after step {s['steps_done']} of {total}: continue it with --resume")
+        lines.append(f"{s['status']} after step {s['steps_done']} of {s['config']['steps']}: the same command goes on")
     elif s["energy"] is not None:
         lines.append(f"E = {s['energy']:.5f} +- {s['error']:.5f} Ha (exact {s['exact']})")
         if quick:
@@ -279,17 +266,13 @@ def main(argv: Sequence[str] | None = None, make: Callable[[Any, Any], Steps] = 
          config_class: type = Config, optimisers: Sequence[str] = OPTIMISERS) -> dict[str, Any]:  # fmt: skip
     """Run the example from the command line (the training method ``make``, settings ``config_class``)."""
     choices = {"system": sorted(SYSTEMS), "optimiser": optimisers}
-    args, config = plumbing.parse_args(argv, config_class, QUICK, __doc__, choices)
+    args, config = plumbing.parse_args(argv, config_class, __doc__, quick=QUICK, choices=choices)
     mesh = plumbing.start(args.devices)
-    printer = print if plumbing.is_lead() else (lambda *_: None)
     summary = run(config, mesh, make=make, checkpoint=args.checkpoint, checkpoint_every=args.checkpoint_every,
-                  resume=args.resume, stop_after=args.stop_after, print_every=args.print_every,
-                  printer=printer)  # fmt: skip
-    for line in report(summary, args.quick):
-        printer(line)
-    plumbing.finish(args, summary, title=f"{config.system}, {config.optimiser}", phases=config.steps)
-    if summary["status"] == "preempted":
-        sys.exit(sv.distributed.PREEMPTED_EXIT_CODE)  # the batch system requeues; --resume continues
+                  print_every=args.print_every)  # fmt: skip
+    if jax.process_index() == 0:  # only process 0 prints and writes
+        print("\n".join(report(summary, args.quick)))
+    plumbing.finish(args, summary, f"{config.system}, {config.optimiser}")
     return summary
 
 

@@ -10,6 +10,7 @@ Example:
 """
 
 from . import distributed as distributed
+from . import driver as driver
 from . import hamiltonian as hamiltonian
 from . import mcmc as mcmc
 from ._caches import clear_caches as clear_caches
@@ -106,6 +107,7 @@ __all__ = [
     "clear_caches",
     "create_mesh",
     "distributed",
+    "driver",
     "gather_walkers",
     "get_replicated_sharding",
     "get_vmap_fn",

@@ -252,7 +252,9 @@ def _checksum_of(value: Any, kind: str) -> Any:
     if kind == "numpy":
         return _checksum.host_checksum(value)
     device = value if isinstance(value, jax.Array) else jnp.asarray(value)  # (a JAX dtype: _prepare converted it)
-    sums = _checksum.row_checksums(device) if kind == "walker" else _checksum.checksum(device)
+    if kind != "walker":  # computed on one device holding a copy: stored as host data, written once
+        return np.asarray(_checksum.checksum(device))
+    sums = _checksum.row_checksums(device)  # sharded as the rows: each process writes its rows' checksums
     return sums if isinstance(value, jax.Array) else np.asarray(sums)
 
 
@@ -675,9 +677,18 @@ def _agreed(ok: bool) -> bool:
 
 
 def _restore_kept(
-    where: str, manager: Any, step: int | None, like: Any, mesh: Mesh | None, axis_name: str, n_walkers: int | None
+    where: str,
+    manager: Any,
+    step: int | None,
+    like: Any,
+    mesh: Mesh | None,
+    axis_name: str,
+    n_walkers: int | None,
+    damaged: set[int] | None = None,
 ) -> tuple[Any, dict[str, Any]]:
     """Step ``step`` of ``manager``'s directory, or (``None``) its newest intact step, skipping damaged ones.
+
+    The steps skipped are added to ``damaged``.
 
     Only a damaged step is skipped: an error of the call (``like``, ``n_walkers``, the mesh) is raised at once.
     With several processes, a step counts as damaged when any process found its part damaged.
@@ -706,6 +717,8 @@ def _restore_kept(
         if _agreed(error is None) and restored is not None:
             if skipped:
                 _warn_skipped(where, directory, skipped, candidate)
+                if damaged is not None:
+                    damaged.update(s for s, _ in skipped)
             return restored
         if error is None:
             problem = f"the checkpoint {str(directory / str(candidate))!r} is damaged in the part another process read."
@@ -970,6 +983,8 @@ class Checkpointer:
             problem = "keep must be a positive int (the number of latest steps kept) or None (all)."
             raise _error("Checkpointer", problem, "pass keep=3, for example.", repr(keep))
         self.directory, self.keep = _directory_to_write("Checkpointer", Path(directory)), keep
+        self._asynchronous = asynchronous
+        self._damaged: set[int] = set()  # steps restore() skipped as damaged: save() replaces them
         self._manager = _manager(self.directory, keep=keep, asynchronous=asynchronous)
         _LIVE.add(self)
 
@@ -981,7 +996,8 @@ class Checkpointer:
 
         Returns:
             ``True``; ``False`` (and nothing written) when ``step`` is already saved,
-            e.g. a preemption at a step that was just saved periodically.
+            e.g. a preemption at a step that was just saved periodically. A step that
+            :meth:`restore` skipped as damaged is written again.
 
         Raises:
             CallError: as :func:`save_state`, or for a bad ``step``.
@@ -989,9 +1005,28 @@ class Checkpointer:
         step = _check_step("Checkpointer.save", step)
         header, arrays = _prepare("Checkpointer.save", state, metadata)
         if step in self._manager.all_steps():
-            return False
+            if step not in self._damaged:
+                return False
+            self._set_aside(step)
         _write(self._manager, step, header, arrays)
         return True
+
+    def _set_aside(self, step: int) -> None:
+        """Rename damaged ``step`` (that :meth:`restore` skipped) to ``<step>.damaged-<k>``, so a run that resumed
+        before it saves that step again; the damaged files stay for inspection."""
+        self.wait()
+        if jax.process_index() == 0:
+            k = 0
+            while (self.directory / f"{step}.damaged-{k}").exists():
+                k += 1
+            (self.directory / str(step)).rename(self.directory / f"{step}.damaged-{k}")
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices(f"shardvmc: step {step} set aside")
+        self._manager.close()  # a manager that lists the steps again
+        self._manager = _manager(self.directory, keep=self.keep, asynchronous=self._asynchronous)
+        self._damaged.discard(step)
 
     def restore(
         self,
@@ -1005,7 +1040,9 @@ class Checkpointer:
         """Read ``step`` as :func:`load_state` does; by default the newest intact step.
 
         Without ``step``, damaged newer steps are skipped with a
-        :class:`~shardvmc.DamagedCheckpointWarning`; ``restore(like, step=n)`` of a damaged
+        :class:`~shardvmc.DamagedCheckpointWarning`, and a later :meth:`save` of such a step
+        writes it again (the damaged one is renamed ``<step>.damaged-0``, kept for
+        inspection); ``restore(like, step=n)`` of a damaged
         step raises :class:`~shardvmc.DamagedCheckpointError`, of a step not kept
         :class:`~shardvmc.CheckpointNotFoundError` (a ``FileNotFoundError``, as when no
         step is committed yet).
@@ -1013,7 +1050,7 @@ class Checkpointer:
         where = "Checkpointer.restore"
         self.wait()
         step = None if step is None else _check_step(where, step)
-        return _restore_kept(where, self._manager, step, like, mesh, axis_name, n_walkers)
+        return _restore_kept(where, self._manager, step, like, mesh, axis_name, n_walkers, self._damaged)
 
     def latest_step(self) -> int | None:
         """The latest step saved (or being saved), ``None`` when there is none."""

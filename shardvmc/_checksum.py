@@ -72,9 +72,16 @@ def row_checksums(x: jax.Array) -> jax.Array:
     return _lanes(_words(x))
 
 
-@jax.jit
 def checksum(x: jax.Array) -> jax.Array:
-    """The ``(2,)`` uint32 checksum of the array ``x`` as a whole."""
+    """The ``(2,)`` uint32 checksum of the array ``x`` as a whole, computed on one device holding it.
+
+    A replicated array is checked once, on this process's first copy, not once per device.
+    """
+    return _whole(x.addressable_data(0) if isinstance(x, jax.Array) else x)
+
+
+@jax.jit
+def _whole(x: jax.Array) -> jax.Array:
     return _lanes(_words(x.reshape(1, *x.shape)))[0]
 
 
@@ -82,7 +89,7 @@ def host_checksum(x: np.ndarray) -> np.ndarray:
     """The ``(2,)`` uint32 checksum of host data ``x`` as a whole, in its own dtype (whatever x64 says)."""
     data = np.ascontiguousarray(x).reshape(-1).view(np.uint8)
     data = np.concatenate([data, np.zeros(-data.size % 4, np.uint8)]).view(np.uint32)
-    return np.asarray(checksum(jnp.asarray(data)))
+    return np.asarray(_whole(jnp.asarray(data)))
 
 
 @jax.jit
@@ -100,6 +107,6 @@ def differs(x: Any, stored: Any, stored_rows: int | None = None) -> Any:
     """
     if isinstance(x, np.ndarray):
         return not np.array_equal(host_checksum(x), np.asarray(stored).reshape(2))
-    if stored_rows is None:
-        return jnp.any(checksum(x) != stored)
+    if stored_rows is None:  # (on the device the checksum is computed on)
+        return jnp.any(checksum(x) != (stored.addressable_data(0) if isinstance(stored, jax.Array) else stored))
     return _rows_differ(x, stored, stored_rows)

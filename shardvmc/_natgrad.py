@@ -6,7 +6,7 @@ Every method solves the same damped least-squares problem. With the ``N`` valid 
     update = (Jc^H Jc + damping I)^-1 Jc^H ec  =  Jc^H (Jc Jc^H + damping I)^-1 ec
 
 (the second form by the push-through identity). ``dense`` solves the first, P x P,
-form; ``minsr`` and ``spring`` the second, N x N, form (Chen & Heyl 2023; Goldshmidt et
+form; ``minsr`` and ``spring`` the second, N x N, form (Chen & Heyl 2023; Goldshlager et
 al. 2024); ``cg`` the first form matrix-free. See ``docs/optimisation.md``.
 """
 
@@ -401,7 +401,7 @@ def natural_gradient(
     - ``"minsr"``: ``T = Jc Jc^H`` (N x N) built without gathering J (all-to-all re-shard
       to parameter slices, local products, one all-reduce), solved replicated, mapped
       back by ``sv.jtv``. P much larger than N.
-    - ``"spring"``: minSR with momentum (Goldshmidt et al. 2024):
+    - ``"spring"``: minSR with momentum (Goldshlager et al. 2024):
       ``update = Jc^H (T + damping I)^-1 (ec - momentum Jc prev) + momentum prev``, the
       minimiser of ``|ec - Jc x|^2 + damping |x - momentum prev|^2``; pass the previous
       update as ``previous`` (``None`` on the first step) and carry the result.

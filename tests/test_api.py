@@ -37,6 +37,8 @@ PUBLIC = {
     "save_state", "load_state", "Checkpointer", "wait_for_saves",
     # the standard VMC pieces: the sampler and the local energy (submodules)
     "mcmc", "hamiltonian",
+    # the run loop, its loggers and callbacks, the step from its pieces, evaluation (a submodule)
+    "driver",
 }  # fmt: skip
 
 
@@ -44,6 +46,10 @@ PUBLIC = {
 SUBMODULES = {
     "mcmc": {"MOVES", "Metropolis", "SamplerState", "Walker", "adapt_width"},
     "hamiltonian": {"LAPLACIANS", "coulomb", "kinetic_energy", "local_energy"},
+    "driver": {
+        "CSVLog", "Callback", "JsonLog", "Logger", "PrintLog", "RunResult", "StopOnNonFinite", "TensorBoardLog",
+        "Timeout", "VMC", "VMCState", "expect", "read_log", "run",
+    },
     "distributed": {
         "ENV_COORDINATOR", "ENV_NUM_PROCESSES", "ENV_PROCESS_ID", "PREEMPTED_EXIT_CODE", "PREEMPTION_SIGNALS",
         "check_consistent", "initialize", "is_launched", "reached_preemption",

@@ -145,7 +145,19 @@ def test_netket_comparison_runs_its_shardvmc_side_without_netket(tmp_path):
     (row,) = data["rows"]
     side = row["shardvmc"]
     assert row["walkers"] == side["chains"] == 13 and "netket" not in row
-    assert side["steps"] == 1 + 2 * 2 + 2 * 2  # the first step, two warm-up blocks, two timed rounds of 2
+    # the first step, two warm-up blocks, two timed rounds of 2; the same again against the bare step
+    assert side["steps"] == 1 + 2 * 2 + 2 * 2 + 2 * 2 + 2 * 2
+    assert row["loop_over_bare_step"] and 1.0 < side["expect"] < 4.0  # the evaluation at fixed parameters
     assert 1.0 < side["energy"] < 4.0  # a few steps of 13 walkers: near the exact 2 Ha, loosely
     assert data["lines"]["netket"] > 0 and data["lines"]["shardvmc"] > 0
     assert "| 13 |" in stdout
+
+
+def test_checkpoint_io_reports_what_the_checksums_cost(tmp_path):
+    _, data = _run(
+        "checkpoint.py", "io", "--walkers", "64", "--electrons", "2", "--params", "4000", "--reps", "1",
+        tmp_path=tmp_path,
+    )  # fmt: skip
+    for name in ("state save s", "state commit s", "state restore s", "checksums on save s", "checksums on restore s"):
+        assert data[name] > 0, name
+    assert data["checksums share of the state's commit"] > 0 and data["checksums share of the state's restore"] > 0

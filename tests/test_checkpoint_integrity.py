@@ -302,6 +302,22 @@ def test_the_newest_intact_step_is_restored_with_a_warning_naming_the_damaged_on
         sv.load_state(tmp_path / "run" / "2", states[2])
 
 
+def test_a_resumed_run_writes_a_skipped_step_again_and_keeps_the_damaged_one_aside(tmp_path: Path) -> None:
+    states = three_steps(tmp_path / "run")
+    _edit_header(tmp_path / "run" / "2")
+    with sv.Checkpointer(tmp_path / "run", keep=2) as ckpt:
+        assert ckpt.save(1, states[1]) is False  # intact and saved: not written twice
+        with pytest.warns(sv.DamagedCheckpointWarning, match="restored step 1"):
+            ckpt.restore(states[2])
+        assert ckpt.save(2, states[2]) is True  # the resumed run reaches step 2 again
+        ckpt.wait()
+        assert ckpt.steps() == [1, 2]
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert leaves(ckpt.restore(states[2])[0]) == leaves(states[2])
+    assert (tmp_path / "run" / "2.damaged-0" / "shardvmc").is_dir()
+
+
 def test_only_damaged_steps_is_an_error_listing_them(tmp_path: Path) -> None:
     states = three_steps(tmp_path / "run")
     for step in (0, 1, 2):

@@ -28,16 +28,19 @@ import doctest
 import importlib
 import importlib.util
 import io
+import json
 import os
 import re
 import subprocess
 import sys
+import tomllib
 import traceback
 from pathlib import Path
 
 import jax
 import pytest
 from optional_imports import unusable
+from packaging.requirements import Requirement
 
 import shardvmc
 from shardvmc.testing import cpu_environment
@@ -58,7 +61,7 @@ NEEDS = {"kfac_jax": "kfac_jax", "shardvmc.kfac": "kfac_jax"}
 def _public_modules():
     """(module path, __all__) of every public module whose names the reference must list."""
     out = [("shardvmc", list(shardvmc.__all__))]
-    for sub in ("testing", "distributed", "launch", "kfac", "optax", "mcmc", "hamiltonian"):
+    for sub in ("testing", "distributed", "launch", "kfac", "optax", "mcmc", "hamiltonian", "driver"):
         try:
             module = importlib.import_module(f"shardvmc.{sub}")
         except ImportError:  # its optional dependency is missing, or cannot run on this JAX (shardvmc.kfac says which)
@@ -150,6 +153,112 @@ def test_snippets_point_at_existing_sections():
                     assert f"--8<-- [{mark}:{m.group('section')}]" in text, (
                         f"{page.name}: {m.group('path')} has no [{mark}:{m.group('section')}] marker"
                     )
+
+
+# ----------------------------------------------------------------------------- what the site states
+
+MKDOCS = ROOT / "mkdocs.yml"
+EXTRAS_PAGE = DOCS / "getting-started.md"
+EXTRAS_ROW = re.compile(r"^\| `(?P<extra>[\w-]+)`:[^|\n]*\| (?P<adds>[^|\n]*) \|$", re.M)
+CLONE = re.compile(r"git clone (\S+?)(?:\.git)?(?=\s|$)", re.M)
+RELEASE = re.compile(r"^## (\d+\.\d+\.\d+)(.*)$", re.M)
+
+_hooks_spec = importlib.util.spec_from_file_location("docs_hooks", DOCS / "hooks.py")
+assert _hooks_spec is not None and _hooks_spec.loader is not None
+docs_hooks = importlib.util.module_from_spec(_hooks_spec)
+_hooks_spec.loader.exec_module(docs_hooks)
+
+
+def _mkdocs_setting(key: str) -> str:
+    m = re.search(rf"^{key}:\s*(\S+)\s*$", MKDOCS.read_text(), re.M)
+    assert m, f"mkdocs.yml has no top-level {key}"
+    return m.group(1)
+
+
+def extras_table_mismatches(page_text: str, extras: dict[str, list[str]]) -> list[str]:
+    """How the extras table of ``page_text`` differs from pyproject's ``[project.optional-dependencies]``.
+
+    A row is ``| `extra`: what for | adds |``; ``adds`` names each requirement's package in backquotes, and
+    says "below X" for a requirement capped at ``<X`` (the JAX pin of the kfac-jax extras).
+    """
+    section = page_text[page_text.index("## Extras and GPUs") :]
+    rows = {m["extra"]: m["adds"] for m in EXTRAS_ROW.finditer(section)}
+    out = []
+    if set(rows) != set(extras):
+        out.append(f"extras in the table {sorted(rows)}, in pyproject {sorted(extras)}")
+    for extra in sorted(set(rows) & set(extras)):
+        requirements = [Requirement(r) for r in extras[extra]]
+        listed = set(re.findall(r"`([^`]+)`", rows[extra]))
+        wanted = {r.name for r in requirements}
+        if listed != wanted:
+            out.append(f"{extra}: the table adds {sorted(listed)}, pyproject {sorted(wanted)}")
+        for r in requirements:
+            for cap in (s.version for s in r.specifier if s.operator == "<"):
+                if f"below {cap}" not in rows[extra]:
+                    out.append(f"{extra}: pyproject caps {r.name} below {cap}; the table does not say so")
+    return out
+
+
+def _pyproject_extras() -> dict[str, list[str]]:
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+
+
+def test_the_extras_table_is_pyprojects():
+    mismatches = extras_table_mismatches(EXTRAS_PAGE.read_text(), _pyproject_extras())
+    assert not mismatches, "docs/getting-started.md's extras table is not pyproject.toml's:\n" + "\n".join(mismatches)
+
+
+def test_the_extras_check_sees_a_difference():
+    text, extras = EXTRAS_PAGE.read_text(), _pyproject_extras()
+    assert extras_table_mismatches(text, extras) == []
+    assert extras_table_mismatches(text, {**extras, "new": ["tqdm>=4"]}) == [
+        f"extras in the table {sorted(extras)}, in pyproject {sorted([*extras, 'new'])}"
+    ]
+    grown = {**extras, "optax": ["optax>=0.2.8", "tqdm"]}
+    assert extras_table_mismatches(text, grown) == ["optax: the table adds ['optax'], pyproject ['optax', 'tqdm']"]
+    uncapped = {**extras, "kfac": [r.replace(",<0.11", "") for r in extras["kfac"]] + ["optax<9"]}
+    assert extras_table_mismatches(text, uncapped) == ["kfac: pyproject caps optax below 9; the table does not say so"]
+
+
+def _install_pages() -> list[Path]:
+    return [*sorted(DOCS.glob("*.md")), ROOT / "README.md", ROOT / "CHANGELOG.md"]
+
+
+def test_every_page_installs_in_a_clone():
+    # The package is installed from a clone (pip install -e ".[extra]"), not by name from an index.
+    by_name = re.compile(r"pip install\s+[\"']?shardvmc\b")
+    found = [f"{p.name}: {m.group(0)}" for p in _install_pages() for m in by_name.finditer(p.read_text())]
+    assert not found, f"install by name where the pages install in a clone: {found}"
+
+
+def test_the_repository_is_named_where_the_install_is():
+    repo = _mkdocs_setting("repo_url")
+    for page in (DOCS / "index.md", DOCS / "getting-started.md", ROOT / "README.md"):
+        text = page.read_text()
+        assert f"git clone {repo}.git" in text and f"<{repo}>" in text, f"{page.name}: no link to {repo} or clone of it"
+    for page in _install_pages():
+        for url in CLONE.findall(page.read_text()):
+            assert url == repo, f"{page.name} clones {url}, mkdocs.yml's repo_url is {repo}"
+
+
+def test_the_site_has_an_address():
+    # mkdocs writes an empty sitemap.xml without site_url.
+    assert re.fullmatch(r"https://\S+/", _mkdocs_setting("site_url"))
+
+
+def test_the_site_shows_the_packages_version():
+    assert docs_hooks.package_version() == shardvmc.__version__
+    config = docs_hooks.on_config({"site_name": "shardvmc"})
+    assert config["site_name"] == f"shardvmc {shardvmc.__version__}"
+    assert docs_hooks.on_config(config)["site_name"] == f"shardvmc {shardvmc.__version__}"  # once only
+
+
+def test_every_release_in_the_changelog_has_its_date():
+    releases = RELEASE.findall((ROOT / "CHANGELOG.md").read_text())
+    assert shardvmc.__version__ in [version for version, _ in releases]
+    dated = re.compile(r" \((\d{4}-\d\d-\d\d|unreleased)\)")
+    undated = [version + rest for version, rest in releases if not dated.fullmatch(rest)]
+    assert not undated, f"CHANGELOG.md: releases without a date (## X.Y.Z (YYYY-MM-DD)): {undated}"
 
 
 # ----------------------------------------------------------------------------- code width
@@ -420,8 +529,43 @@ def test_site_builds_strict(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     page = (tmp_path / "site" / "getting-started" / "index.html").read_text()
-    assert "make_kernels" in page and "make_step" in page  # the example's snippets were included
+    assert "make_step" in page and "sv.driver.run" in page  # the example's snippets were included
     assert not code_width.check_site(tmp_path / "site"), "code lines wider than the page: see docs/code_width.py"
+    home = (tmp_path / "site" / "index.html").read_text()
+    assert f"<title>shardvmc {shardvmc.__version__}</title>" in home  # the version, from docs/hooks.py
+    sitemap = (tmp_path / "site" / "sitemap.xml").read_text()  # empty without site_url
+    assert f"<loc>{_mkdocs_setting('site_url')}getting-started/</loc>" in sitemap
+    index = json.loads((tmp_path / "site" / "search" / "search_index.json").read_text())
+    for name, pages in SEARCHED.items():
+        assert pages <= search_hits(index, name), f"searching {name} misses some of {sorted(pages)}"
+
+
+# Names that pages use only qualified (sv.PaddingWarning), and pages where they are so used.
+SEARCHED = {"PaddingWarning": {"concepts/", "faq/"}, "StatsAccumulator": {"getting-started/", "statistics/"}}
+
+
+def search_hits(index: dict, word: str) -> set[str]:
+    """The pages whose search entries hold ``word`` as a term, split as the site's search splits text.
+
+    mkdocs-material's search splits the text between the HTML tags of the index at the configured separator
+    (a regular expression) and lower-cases the terms.
+    """
+    separator = re.compile(index["config"]["separator"])
+    pages = set()
+    for doc in index["docs"]:
+        text = re.sub(r"<[^>]*>", " ", f"{doc['title']} {doc['text']}")
+        if word.lower() in {t.lower() for t in separator.split(text)}:
+            pages.add(doc["location"].split("#")[0])
+    return pages
+
+
+def test_search_splits_qualified_names():
+    text = "<p>a <code>sv.PaddingWarning</code> and n_valid</p>"
+    doc = {"location": "concepts/#padding", "title": "Padding", "text": text}
+    index = {"config": {"separator": r"[\s\-]+"}, "docs": [doc]}  # mkdocs' default: the name is not found
+    assert search_hits(index, "PaddingWarning") == set()
+    index["config"]["separator"] = re.search(r"separator: '(.*)'", MKDOCS.read_text()).group(1)  # the site's
+    assert search_hits(index, "PaddingWarning") == search_hits(index, "valid") == {"concepts/"}
 
 
 if __name__ == "__main__":  # the one-device run of test_code_examples_run_on_one_device: python test_docs.py PAGE...
