@@ -13,18 +13,20 @@ Each process finds the group in its environment (``SHARDVMC_COORDINATOR_ADDRESS`
 deadlock workaround ``shardvmc.testing.CPU_SCHEDULER_FLAG``).
 
 Every output line is prefixed with its process index (``[0] ...``). The CPU collectives'
-connection messages (``[Gloo] Rank 0 is connected to 3 peer ranks. ...``, one per
-device and group) are left out unless ``--verbose``. The launcher exits
-with the first failing process's code (``128 + signal`` for a signal), or with 124 when
-``--timeout`` seconds pass; 0 when all succeed.
+connection messages (``[Gloo] Rank 0 is connected to 3 peer ranks. ...``, one per device
+and group, also when short of peers or merged by two threads) are left out unless
+``--verbose``. The launcher exits with the code of the first process that failed
+(``128 + signal`` for a signal), naming it, or with 124 when ``--timeout`` seconds pass; 0
+when all succeed. What the other processes then print as JAX's runtime aborts them (log
+lines, C++ stack traces) is left out and summarised, unless ``--verbose``.
 
 Stopping is bounded whatever the processes do: each process runs in its own session
 (process group), and stopping sends SIGTERM to every group, then SIGKILL to what is
-left after ``--grace`` seconds (JAX's preemption notifier catches SIGTERM and carries
-on, so the SIGKILL is what ends a busy or hung JAX process). The same happens when the
-launcher itself gets SIGINT (Ctrl-C) or SIGTERM: it exits with ``128 + signal`` and
-leaves no process of its groups behind. A process that fails with ``sys.exit(code)``
-or an uncaught exception after ``sv.distributed.initialize(fail_fast=True)`` leaves
+left after ``--grace`` seconds (once a program took preemption notices, JAX's notifier
+catches SIGTERM and carries on, so the SIGKILL is what ends a busy or hung JAX process).
+The same happens when the launcher itself gets SIGINT (Ctrl-C) or SIGTERM: it exits with
+``128 + signal`` and leaves no process of its groups behind. A process that fails with
+``sys.exit(code)`` or an uncaught exception after ``sv.distributed.initialize()`` leaves
 without waiting in JAX's shutdown barrier for its peers (see
 :func:`shardvmc.distributed.initialize`), so the launcher sees the failure at once.
 """
@@ -116,8 +118,10 @@ def process_env(
 # std::cout writes the message in pieces (the literals below are separate strings in the library),
 # so the messages of two devices of one process, printed at the same time from two threads, can
 # merge: one line holds the pieces of both, and the line after it the rest of the other (a number,
-# or nothing). Every such line is left out: a line made only of these pieces, numbers and the list's
-# punctuation, and, after a merged line, the lines that complete it.
+# or nothing); a message can also end a line that the program was writing (Python's print writes
+# the text and its newline separately). Every such line is left out: a line made only of these
+# pieces, numbers and the list's punctuation, after a merged line the lines that complete it, and
+# the message at the end of a program's line (the program's text is kept, its newline joined to it).
 _GLOO_START = "[Gloo] Rank "
 _GLOO_PIECES = (
     _GLOO_START,
@@ -130,48 +134,60 @@ _GLOO_REST = re.compile(r"[\d\s,\]]*")  # the numbers and the list's punctuation
 
 
 class _GlooMessages:
-    """Recognises gloo's connection messages in one process's output, merged ones included."""
+    """Takes gloo's connection messages out of one process's output, merged ones included."""
 
     def __init__(self) -> None:
         self.unfinished = 0  # messages begun on a merged line and not ended by a newline yet
+        self.newline_owed = False  # a message ended a line of the program, whose own newline comes next
 
-    def __call__(self, line: str) -> bool:
-        begun = line.count(_GLOO_START)
-        if not begun and not self.unfinished:
-            return False
-        rest = line
+    @staticmethod
+    def _only_gloo(text: str) -> bool:
         for piece in _GLOO_PIECES:
-            rest = rest.replace(piece, "")
-        if not _GLOO_REST.fullmatch(rest):
-            self.unfinished = 0
-            return False
-        self.unfinished = max(0, self.unfinished + begun - 1)  # each line ends one message
-        return True
+            text = text.replace(piece, "")
+        return _GLOO_REST.fullmatch(text) is not None
+
+    def __call__(self, line: str) -> str | None:
+        """``line`` without gloo's messages; ``None`` when nothing of it is left to write."""
+        owed, self.newline_owed = self.newline_owed, False
+        if owed and not line:
+            return None  # the newline of the program's line that a message ended
+        start = line.find(_GLOO_START)
+        if start < 0 and not self.unfinished:
+            return line
+        if self._only_gloo(line):
+            self.unfinished = max(0, self.unfinished + line.count(_GLOO_START) - 1)  # each line ends one
+            return None
+        if start > 0 and self._only_gloo(line[start:]):
+            # the program wrote a line in two writes (Python's print: the text, then its newline) and gloo's
+            # message came between them: the program's text, and its newline on the next line
+            self.unfinished = max(0, line.count(_GLOO_START) - 1)
+            self.newline_owed = True
+            return line[:start]
+        self.unfinished = 0
+        return line
 
 
-# What JAX's runtime writes when it ends a process: absl log lines (W: warning, E: error, F: fatal),
-# the stack trace of a fatal one, and C++'s terminate. After another process failed, these are the
-# consequences in the others (the coordination service aborting them), left out unless --verbose.
-_RUNTIME_LOG = re.compile(r"[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ [^ \]]+:\d+\] ")
-_RUNTIME_ERROR = re.compile(
-    r"[WEF]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ [^ \]]+:\d+\] "
-    r"|\*\*\* Check failure stack trace: \*\*\*"
-    r"|terminate called "
+# What JAX's runtime writes: absl log lines (severity I, W, E, F), the stack trace of a fatal one,
+# C++'s terminate. After another process failed, these are the consequences in the others (the
+# coordination service aborting them, JAX's notifier catching the launcher's SIGTERM).
+_RUNTIME_LOG = re.compile(
+    r"[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ [^ \]]+:\d+\] |\*\*\* Check failure stack trace: \*\*\*|terminate called "
 )
 # JAX's runtime ending a process because another one is gone (heartbeats stopped, the coordinator
 # unreachable, the shutdown barrier failed): its fatal message says "Terminating process because ...".
 _TERMINATED_BY_RUNTIME = "Terminating process because"
-_HOLD_S = 2.0  # how long a running process's runtime error lines wait for a failure elsewhere
+_HOLD_S = 2.0  # how long a running process's runtime warnings and errors wait for a failure elsewhere
 
 
 class _Output:
     """The processes' output, as the forwarding threads read it: prefixed, filtered, written to ``out``.
 
-    Runtime error lines (``_RUNTIME_ERROR``) of a process are held back, with the lines after
-    them, until it is clear whose they are: those of the process that failed first, or of a
-    process that keeps running (after ``_HOLD_S``) or succeeds, are written; those of the
-    other processes after a failure are consequences, left out and counted. After a failure
-    the other processes' runtime log lines are left out too. ``verbose`` writes every line.
+    A process's runtime warning or error (a ``_RUNTIME_LOG`` line but an info) is held back, with the lines
+    after it, until it is clear whose it is: written if the process keeps running (after
+    ``_HOLD_S``), succeeds, or is the one that failed first. Once a process failed, every line
+    of the others is held until they end; then what JAX's runtime wrote is left out and
+    counted: from its first line on in a process that the runtime terminated (a
+    consequence), its log lines alone in the others. ``verbose`` writes every line at once.
     """
 
     def __init__(self, processes: int, out: IO[str], lock: threading.Lock, verbose: bool) -> None:
@@ -179,7 +195,6 @@ class _Output:
         self.gloo = [_GlooMessages() for _ in range(processes)]
         self.held: list[list[str]] = [[] for _ in range(processes)]
         self.held_since = [0.0] * processes
-        self.quiet = [False] * processes  # the rest of this process's output is a consequence
         self.terminated = [False] * processes  # JAX's runtime said it ends this process
         self.left_out = [0] * processes
         self.failed: set[int] = set()  # processes that failed before the launcher stopped anyone
@@ -197,38 +212,40 @@ class _Output:
             if self.verbose:
                 self._write(index, [line])
                 return
-            if self.gloo[index](line):
+            kept = self.gloo[index](line)
+            if kept is None:
                 return
-            if _TERMINATED_BY_RUNTIME in line:
-                self.terminated[index] = True
-            consequence = bool(self.failed) and index not in self.failed
-            if self.quiet[index] or (consequence and _RUNTIME_LOG.match(line)):
-                self.left_out[index] += 1
-                self.quiet[index] = self.quiet[index] or bool(_RUNTIME_ERROR.match(line))
-            elif self.held[index]:
-                self.held[index].append(line)
-            elif _RUNTIME_ERROR.match(line):
-                self.held[index], self.held_since[index] = [line], time.monotonic()
+            self.terminated[index] = self.terminated[index] or _TERMINATED_BY_RUNTIME in kept
+            after_a_failure = bool(self.failed) and index not in self.failed
+            trouble = _RUNTIME_LOG.match(kept) is not None and not kept.startswith("I")
+            if self.held[index] or after_a_failure or trouble:
+                if not self.held[index]:
+                    self.held_since[index] = time.monotonic()
+                self.held[index].append(kept)
             else:
-                self._write(index, [line])
+                self._write(index, [kept])
+
+    def _leave_out_runtime(self, index: int, lines: list[str]) -> list[str]:
+        """A consequence's lines without the runtime's: all from its first in a process the runtime ended."""
+        first = next((i for i, line in enumerate(lines) if _RUNTIME_LOG.match(line)), len(lines))
+        kept = lines[:first] if self.terminated[index] else [line for line in lines if not _RUNTIME_LOG.match(line)]
+        self.left_out[index] += len(lines) - len(kept)
+        return kept
 
     def settle(self, ended: Mapping[int, int], final: bool = False) -> None:
-        """Write or leave out held lines whose owner is now clear (``final``: every process has ended)."""
+        """Write held lines whose owner is clear now (``final``: every process has ended or been stopped)."""
         with self.lock:
             now = time.monotonic()
             for index, lines in enumerate(self.held):
-                if not lines:
+                if not lines or (self.failed and self.cause is None and not final):
+                    continue  # nothing held, or the launcher has yet to name the failure that came first
+                if self.failed and index != self.cause:
+                    if index not in ended and not final:
+                        continue  # it is being stopped: its last lines may yet come
+                    lines = self._leave_out_runtime(index, lines)
+                elif not (index in ended or index == self.cause or final or now - self.held_since[index] > _HOLD_S):
                     continue
-                consequence = (
-                    self.failed and index != self.cause and (index not in self.failed or self.terminated[index])
-                )
-                if consequence and (self.cause is not None or final):
-                    self.left_out[index] += len(lines)
-                    self.quiet[index] = True
-                elif index in ended or index == self.cause or now - self.held_since[index] > _HOLD_S or final:
-                    self._write(index, lines)
-                else:
-                    continue
+                self._write(index, lines)
                 self.held[index] = []
 
 
@@ -357,12 +374,14 @@ def launch(
         env: the base environment (default: this process's).
         stdout: where the prefixed output lines go (default: ``sys.stdout``).
         stderr: where the launcher's own messages go (default: ``sys.stderr``).
-        verbose: keep the CPU collectives' connection messages (gloo's ``[Gloo] Rank i is
-            connected to ...``), which are left out by default.
+        verbose: keep every line: the CPU collectives' connection messages (gloo's
+            ``[Gloo] Rank i is connected to ...``) and what JAX's runtime writes in the
+            other processes after one failed, which are left out by default.
 
     Returns:
-        0 when every process succeeded; else the first failing process's exit code
-        (``128 + signal`` for a signal), or 124 on timeout.
+        0 when every process succeeded; else the exit code of the process that failed
+        first (``128 + signal`` for a signal; a process that JAX's runtime aborted
+        because another failed is not the first), or 124 on timeout.
 
     Example:
         >>> import io, sys
@@ -539,7 +558,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--verbose",
         action="store_true",
-        help="keep the CPU collectives' connection messages ([Gloo] Rank i is connected to ...), left out by default",
+        help="keep every line: the CPU collectives' connection messages ([Gloo] Rank i is connected to ...) and "
+        "what JAX's runtime writes in the other processes after one failed, left out by default",
     )
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the program to run, after `--`")
     args = parser.parse_args(argv)

@@ -2,13 +2,16 @@
 
 ``python mp_fail_worker.py HOW PEER [FILE]`` in every process of a group (launched, or started with
 ``shardvmc.launch.process_env``). Each process joins with ``sv.distributed.initialize()`` (its
-defaults), computes once, prints ``ready <pid>``, then:
+defaults), computes once with the others (an all-gather), prints ``ready <pid>``, then:
 
 - ``exit``: process 1 calls ``sys.exit(3)``;
 - ``raise``: process 1 raises an uncaught exception;
 - ``wait``: process 1 sleeps, for the test to signal it (SIGKILL, SIGTERM);
 - ``coordinator``: process 0, the coordination service's host, calls ``sys.exit(3)``;
-- ``ok``: process 1 returns at once, process 0 three seconds later; both succeed.
+- ``ok``: process 1 returns at once, process 0 three seconds later; both succeed;
+- ``hold``: every process holds the interpreter lock in one call for ``PEER`` seconds or
+  more, then meets the others (an all-gather) and succeeds: the heartbeats, sent by JAX's
+  runtime, go on meanwhile (``MP_FAIL_WORKER_HEARTBEAT_S`` sets the heartbeat timeout).
 
 The other processes do ``PEER`` meanwhile: ``sleep``, or ``compute`` (a Python and JAX loop that
 holds the interpreter). The failing process writes a line to ``FILE``, if given, and leaves the
@@ -19,7 +22,9 @@ shutdown barrier (an exit handler registered before JAX's runs after it).
 from __future__ import annotations
 
 import atexit
+import math
 import os
+import re
 import sys
 import time
 
@@ -29,13 +34,25 @@ if how == "ok":
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+from jax.experimental import multihost_utils  # noqa: E402
 
 import shardvmc as sv  # noqa: E402
 
-sv.distributed.initialize()
+heartbeat = os.environ.get("MP_FAIL_WORKER_HEARTBEAT_S")  # benchmarks/failfast.py --hold: another timeout
+sv.distributed.initialize(**({"heartbeat_timeout_seconds": int(heartbeat)} if heartbeat else {}))
 me = jax.process_index()
-x = jnp.arange(4.0).sum()
-print(f"ready {os.getpid()} {float(x)}", flush=True)
+x = multihost_utils.process_allgather(jnp.arange(4.0).sum())  # a collective: every process got here
+print(f"ready {os.getpid()} {x.tolist()}", flush=True)
+
+if how == "hold":  # hold the interpreter lock in one call for PEER seconds or more, then meet the others
+    t, n = time.monotonic(), 18
+    re.match(r"(a+)+$", "a" * n + "b")  # backtracks: twice the time for each "a" more, never releasing the lock
+    n += max(0, math.ceil(math.log2(float(peer) / max(time.monotonic() - t, 1e-3))))
+    t = time.monotonic()
+    re.match(r"(a+)+$", "a" * n + "b")
+    held = time.monotonic() - t
+    print(f"held the interpreter lock for {held:.1f} s; {multihost_utils.process_allgather(x).tolist()}", flush=True)
+    sys.exit(0)
 
 failing = 0 if how == "coordinator" else 1
 if me == failing and how in ("exit", "raise", "coordinator"):

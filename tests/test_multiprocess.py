@@ -508,12 +508,7 @@ class _Started:
         return "".join(self._err)
 
     def wait_for(self, condition: Any, timeout: float = WAIT_S) -> bool:
-        deadline = time.monotonic() + timeout
-        while not condition():
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.05)
-        return True
+        return _wait_for(condition, timeout)
 
     def close(self) -> None:
         """Kill what is left, reap the launcher, read the last output and close the pipes."""
@@ -838,7 +833,8 @@ def _forwarded(text: str) -> list[str]:
 def test_connection_messages_of_two_threads_merged_in_any_order_are_left_out():
     """The flake of the gloo test, reproduced deterministically: a line that held pieces of two messages got
     through. Every merge of two devices' messages is left out, the program's line after them kept (as is a
-    number it prints, which is what the rest of a merged message can look like, when no merge came before)."""
+    number it prints, which is what the rest of a merged message can look like, when no merge came before),
+    also when the merge came in the middle of the program's own line."""
     a, b = _gloo_pieces(0, 3, 3), _gloo_pieces(1, 3, 3)
     merges = [_merge(a, b, set(pos)) for pos in itertools.combinations(range(len(a) + len(b)), len(a))]
     assert len(merges) == 12870 and any(len(m.splitlines()) == 2 and m.count("[Gloo]") == 2 for m in merges)
@@ -848,7 +844,91 @@ def test_connection_messages_of_two_threads_merged_in_any_order_are_left_out():
     merges += [_merge(short, a, set(rng.sample(range(len(short) + len(a)), len(short)))) for _ in range(3000)]
     for text in merges:
         assert _forwarded(text + "hi\n3\n") == ["[0] hi", "[0] 3"], repr(text)
+        # The program's print wrote "hello", then its newline after gloo's first flush (one line of the merge)
+        first, _, rest = text.partition("\n")
+        assert _forwarded(f"hello{first}\n\n{rest}bye\n") == ["[0] hello", "[0] bye"], repr(text)
     assert _forwarded("3\n") == ["[0] 3"]
+    assert _forwarded("\n\n") == ["[0] ", "[0] "]  # the program's empty lines are its own
+
+
+# What JAX's runtime wrote in process 0 when process 1 was gone (jaxlib 0.10.2, shortened): the coordination
+# service's error, its continuation lines, the fatal line that ends the process, and its stack trace.
+RUNTIME_ABORT = [
+    "E1203 08:36:53.410120   19400 coordination_service.cc:1549] [8399] Use error polling to propagate the "
+    "following error to all tasks: UNAVAILABLE: The following tasks are unhealthy (stopped sending heartbeats):",
+    "1",
+    "The tasks have crashed. Check the task logs for an earlier error, or scheduler events to debug further.",
+    "F1203 08:36:53.410932   19411 client.h:80] Terminating process because the JAX distributed service detected "
+    "fatal errors. This most likely indicates that another task died; see the other task logs for more details.",
+    "RPC: /xla.coordination.CoordinationService/PollForError [type.googleapis.com/tensorflow.CoordinationService]",
+    "*** Check failure stack trace: ***",
+    "    @     0x7f7e75640634  absl::lts_20260107::log_internal::LogMessage::SendToLog()",
+    "    @     0x7f7e7cca71f5  (unknown)",
+]
+SIGTERM_CAUGHT = "W1203 09:00:35.536204   28058 preemption_notifier.cc:90] SIGTERM caught at 2026-12-03T09:00:35"
+
+
+def _output(processes: int = 2) -> tuple[launch._Output, io.StringIO]:
+    out = io.StringIO()
+    return launch._Output(processes, out, threading.Lock(), verbose=False), out
+
+
+def test_the_runtime_abort_of_the_other_processes_is_left_out_after_a_failure():
+    """Process 1 failed first; process 0 wrote a line of its own, then JAX aborted it: its runtime lines are left
+    out, counted, and it is known as a consequence. Lines that came before the failure was known are held, so
+    they are left out too (they arrive with the cause's end, and the launcher names the cause after)."""
+    output, out = _output()
+    output.line(0, "step 5")
+    output.line(0, RUNTIME_ABORT[0])  # before the launcher knows of the failure: held
+    output.failed.add(1)
+    for line in [*RUNTIME_ABORT[1:], "a line of the program"]:
+        output.line(0, line)
+    output.line(1, "RuntimeError: process 1 fails")
+    output.settle({1: 1})  # the cause is not named yet: nothing of process 0 is written
+    assert out.getvalue() == "[0] step 5\n[1] RuntimeError: process 1 fails\n"
+    output.cause = 1
+    output.settle({1: 1, 0: -6})
+    assert out.getvalue() == "[0] step 5\n[1] RuntimeError: process 1 fails\n"  # what follows the runtime's too
+    assert output.terminated == [True, False] and output.left_out == [len(RUNTIME_ABORT) + 1, 0]
+
+
+def test_after_a_failure_a_stopped_process_keeps_its_own_lines_and_loses_the_runtimes():
+    """Process 0 took preemption notices: the launcher's SIGTERM makes JAX's notifier log, and it carries on."""
+    output, out = _output()
+    output.failed.add(1)
+    output.cause = 1
+    for line in [SIGTERM_CAUGHT, "saving step 7", "I1203 09:00:35.6 28058 file.cc:1] info"]:
+        output.line(0, line)
+    output.settle({1: 3})
+    assert out.getvalue() == ""  # held until process 0 ends
+    output.settle({1: 3, 0: 75})
+    assert out.getvalue() == "[0] saving step 7\n" and output.left_out == [2, 0] and output.terminated == [False] * 2
+
+
+def test_runtime_errors_of_the_failing_or_a_healthy_process_are_shown():
+    """The cause's own runtime lines explain its failure; a running process's are written once they wait no more."""
+    output, out = _output()
+    output.line(1, RUNTIME_ABORT[3])  # a fatal line of process 1 itself, which then ends first
+    output.line(1, RUNTIME_ABORT[5])
+    output.failed.add(1)
+    output.cause = 1
+    output.settle({1: -6})
+    assert out.getvalue().splitlines() == [f"[1] {RUNTIME_ABORT[3]}", f"[1] {RUNTIME_ABORT[5]}"]
+    healthy, out = _output()
+    healthy.line(0, SIGTERM_CAUGHT)
+    healthy.line(0, "still running")
+    healthy.settle({})
+    assert out.getvalue() == ""  # held for a moment: a failure elsewhere would make it a consequence
+    healthy.settle({}, final=True)
+    assert out.getvalue().splitlines() == [f"[0] {SIGTERM_CAUGHT}", "[0] still running"]
+
+
+def test_the_first_failure_is_the_earliest_end_that_the_runtime_did_not_cause():
+    ended_at = {0: 10.0, 1: 10.2, 2: 10.1}
+    assert launch._first_failure({0, 1, 2}, ended_at, [False, False, False]) == 0
+    assert launch._first_failure({0, 1, 2}, ended_at, [True, False, False]) == 2  # 0 was aborted by JAX
+    assert launch._first_failure({0, 1}, ended_at, [True, True, False]) == 0  # all aborted: the earliest
+    assert launch._first_failure({1, 2}, {1: 5.0}, [False] * 3) == 1  # no time seen: after those seen
 
 
 def test_launcher_timeout():
@@ -969,7 +1049,7 @@ def test_initialize_passes_its_timeouts_to_jax_and_watches_for_failing_exits(ini
     exit_before = sys.exit
     sv.distributed.initialize("127.0.0.1:1", num_processes=2, process_id=0)
     [(kwargs, _)] = initialize_without_a_group
-    assert kwargs["heartbeat_timeout_seconds"] == 20 and kwargs["shutdown_timeout_seconds"] == 300
+    assert kwargs["heartbeat_timeout_seconds"] == 15 and kwargs["shutdown_timeout_seconds"] == 300
     assert exit_watch.active and sys.exit is not exit_before and sys.exit.__wrapped__ is exit_before
 
 
