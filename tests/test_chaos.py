@@ -5,20 +5,22 @@ A VMC training run (``tests/chaos_worker.py``: minSR, an asynchronous checkpoint
 interrupted once in each of three ways, in an order and at steps drawn from a seed:
 
 - ``kill``: one process (drawn) sends itself SIGKILL, right after the step's save (if any) has started;
-- ``term``: every process sends itself SIGTERM, a preemption notice (``sv.distributed.reached_preemption``): the
-  run saves the step the processes agree on and exits with ``sv.distributed.PREEMPTED_EXIT_CODE``;
+- ``term``: every process sends itself SIGTERM once its last save is committed, a preemption notice
+  (``sv.distributed.reached_preemption``): the run saves the step the processes agree on and exits with
+  ``sv.distributed.PREEMPTED_EXIT_CODE``;
 - ``raise``: one process (drawn) raises an exception.
 
 After the second interruption the test flips a byte in each array data file of the newest committed step. Every
 restart resumes from the newest intact step (the damaged one skipped with a ``DamagedCheckpointWarning`` naming it).
-Two sequences share the first run and the faults: one restarts on 2 x 2 after the second interruption and ends bit
-for bit as an uninterrupted 2 x 2 run (parameters, optimiser state, walkers, every step's energy); the other
-restarts after each interruption on a layout drawn among 1 x 1, 1 x 3, 2 x 2 and 1 x 8 (processes x devices) and
-ends within the float64 round-off of a change of device count that ``docs/concepts.md`` states (``ROUND_OFF``), and
-bit for bit up to the first step computed on another device count. The walker count, 13, is one that 3, 4 and 8
+Two sequences share the first run and the faults: one restarts on 2 x 2 after the first and the second interruption
+and ends bit for bit as an uninterrupted 2 x 2 run (parameters, optimiser state, walkers, every step's energy); the
+other restarts after each of the three on a layout drawn among 1 x 1, 1 x 3, 2 x 2 and 1 x 8 (processes x devices)
+and ends within the float64 round-off of a change of device count that ``docs/concepts.md`` states (``ROUND_OFF``),
+and bit for bit up to the first step computed on another layout. The walker count, 13, is one that 3, 4 and 8
 devices do not divide.
 
-The faults happen at chosen steps (the worker is told where), never after a delay. The seed is
+The faults happen at chosen steps (the worker is told where), never after a delay. The launches share one XLA
+compilation cache, for single-process launches only (see ``_cached``). The seed is
 ``SHARDVMC_CHAOS_SEED`` (default 0) and the plan is printed, so a failing plan can be run again
 (``SHARDVMC_CHAOS_SEED=5 python -m pytest tests/test_chaos.py -n 0 -s``) and soak runs can draw others. Every
 process a launch started is found by a marker in its environment and killed at the end, whatever happened.
