@@ -219,7 +219,7 @@ def main(argv: list[str]) -> None:
                 raise RuntimeError(f"chaos: the planned failure of process {me} at step {t}")
     write_result(args.directory / "result.npz", state)
     record["times"]["end"] = now()
-    write_record(left="finished", step=state["step"])
+    write_record(left="finished", step=state["step"], notice_ignored=signalled)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ devices do not divide.
 
 The faults happen at chosen steps (the worker is told where), never after a delay. The launches share one XLA
 compilation cache, for single-process launches only (see ``_cached``). The seed is
-``SHARDVMC_CHAOS_SEED`` (default 0) and the plan is printed, so a failing plan can be run again
+``SHARDVMC_CHAOS_SEED`` (default 4) and the plan is printed, so a failing plan can be run again
 (``SHARDVMC_CHAOS_SEED=5 python -m pytest tests/test_chaos.py -n 0 -s``) and soak runs can draw others. Every
 process a launch started is found by a marker in its environment and killed at the end, whatever happened.
 """
@@ -50,7 +50,9 @@ import shardvmc as sv
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "chaos_worker.py"
-SEED = int(os.environ.get("SHARDVMC_CHAOS_SEED", "0"))
+# Seed 4 puts each kind of fault in a run of two processes (kill by SIGKILL of process 1; SIGTERM of both; an exception
+# in process 0, the coordinator) and the restarts of the elastic sequence on 1 x 8, 2 x 2 and 1 x 1.
+SEED = int(os.environ.get("SHARDVMC_CHAOS_SEED", "4"))
 STEPS, EVERY = 18, 3
 ORIGINAL = (2, 2)  # processes x devices per process
 LAYOUTS = ((1, 1), (1, 3), (2, 2), (1, 8))
@@ -347,7 +349,9 @@ def _context(chaos: dict[str, Any], name: str) -> str:
 def test_every_interruption_ends_the_run_as_planned(chaos: dict[str, Any], name: str) -> None:
     for launch in _sequence(chaos, name):
         expected = EXIT[launch.fault.kind if launch.fault else None]
-        assert launch.code == expected, f"{launch.describe()}\n{launch.output}\n{_context(chaos, name)}"
+        ignored = any(r.get("notice_ignored") for r in launch.records)
+        why = "the preemption notice was never acted on: reached_preemption never said so\n" if ignored else ""
+        assert launch.code == expected, f"{why}{launch.describe()}\n{launch.output}\n{_context(chaos, name)}"
         fault = launch.fault
         if fault is not None and fault.kind == "raise":
             assert f"chaos: the planned failure of process {fault.process % launch.layout[0]}" in launch.output
