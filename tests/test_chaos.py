@@ -185,9 +185,14 @@ class Launch:
         )
 
 
+# The launcher gets SIGTERM, and stops its processes, if this process dies without cleaning up (SIGKILL): util-linux's
+# setpriv sets the parent-death signal where it is installed.
+ON_PARENT_DEATH = ["setpriv", "--pdeathsig", "TERM", "--"] if shutil.which("setpriv") else []
+
+
 def _launch(directory: Path, launch: Launch, env: dict[str, str]) -> None:
     processes, devices = launch.layout
-    command = [sys.executable, "-m", "shardvmc.launch", "--processes", str(processes)]
+    command = [*ON_PARENT_DEATH, sys.executable, "-m", "shardvmc.launch", "--processes", str(processes)]
     command += ["--devices-per-process", str(devices), "--timeout", str(LAUNCH_TIMEOUT_S), "--"]
     command += [sys.executable, str(WORKER), str(directory), "--steps", str(STEPS), "--every", str(EVERY)]
     command += ["--name", launch.name, *(launch.fault.args(processes) if launch.fault else [])]
