@@ -95,7 +95,7 @@ def _manager(directory: Path, keep: int | None = 1, asynchronous: bool = False, 
         create=write,
         lightweight_initialize=True,
     )
-    return ocp.CheckpointManager(directory, options=options, item_names=(_ARRAYS, _HEADER))
+    return _orbax_compat.manager_class()(directory, options=options, item_names=(_ARRAYS, _HEADER))
 
 
 def _error(where: str, problem: str, fix: str, got: str | None = None, expected: str | None = None) -> CallError:

@@ -6,6 +6,13 @@ checksums, holding small values inline and large ones (array chunks, zstd-compre
 data files without checksums. shardvmc checks the arrays' data with its own checksums
 (``_checksum``); this module covers the rest:
 
+- :func:`manager_class`: orbax's ``CheckpointManager`` asks JAX's preemption sync point
+  (``reached_preemption_sync_point``) whether to save, also from the thread that finishes
+  an asynchronous save, with that save's (older) step. JAX's sync point then lies behind
+  the training loop's step, and a SIGTERM that arrives next sets the step to stop at to
+  one the loop has already passed: ``sv.distributed.reached_preemption`` would never
+  answer ``True``. shardvmc decides preemption saves itself (every save is forced), so its
+  managers never ask: their ``reached_preemption`` (public, overridable) answers ``False``.
 - :func:`check_index` reads the B-tree alone (no array data), sequentially, so a damaged
   node or manifest is reported before orbax reads anything.
 - :func:`quiet_failed_reads`: when one of orbax's concurrent reads fails, orbax raises and
@@ -24,6 +31,7 @@ data files without checksums. shardvmc checks the arrays' data with its own chec
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import sys
 import threading
@@ -31,11 +39,23 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-__all__ = ["check_index", "quiet_failed_reads"]
+__all__ = ["check_index", "manager_class", "quiet_failed_reads"]
 
 _FAILED: set[str] = set()  # the directories whose read failed (their echoes are dropped)
 _LOCK = threading.Lock()
 _INSTALLED = False
+
+
+@functools.cache
+def manager_class() -> Any:
+    """orbax's ``CheckpointManager``, except that it never consults JAX's preemption sync point (see above)."""
+    import orbax.checkpoint as ocp
+
+    class Manager(ocp.CheckpointManager):
+        def reached_preemption(self, step: int) -> bool:
+            return False  # only the training loop's sv.distributed.reached_preemption moves JAX's sync point
+
+    return Manager
 
 
 def check_index(arrays: Path) -> None:

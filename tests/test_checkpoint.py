@@ -1558,3 +1558,37 @@ def test_the_preempted_run_resumes_on_another_mesh_and_continues_the_uninterrupt
         if "walkers" in jax.tree_util.keystr(path):
             got, want = got[: state_worker.N_VALID], want[: state_worker.N_VALID]
         np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12, err_msg=jax.tree_util.keystr(path))
+
+
+PREEMPTED_AFTER_A_FINISHED_SAVE = textwrap.dedent(
+    """
+    import os, signal, sys, time
+    import jax.numpy as jnp
+    import shardvmc as sv
+
+    sv.distributed.initialize()
+    state = {"x": sv.replicate(jnp.zeros(3))}
+    with sv.Checkpointer(sys.argv[2]) as ckpt:
+        for t in range(1, 16):
+            if sv.distributed.reached_preemption(t):
+                print(f"preempted at step {t}", flush=True)
+                ckpt.save(t, state)
+                ckpt.wait()
+                sys.exit(sv.distributed.PREEMPTED_EXIT_CODE)
+            if t % 3 == 0:
+                ckpt.save(t, state)
+            if t == 10:
+                ckpt.wait()  # the save of step 9 is finished by orbax's thread
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(3)  # JAX's notifier looks for the signal once a second
+    print("never preempted", flush=True)
+    """
+)
+
+
+def test_a_notice_after_an_asynchronous_save_finished_is_acted_on(tmp_path: Path) -> None:
+    """orbax's own preemption queries (with the older step of a finished save) must not move JAX's sync point back."""
+    script = tmp_path / "preempted.py"
+    script.write_text(PREEMPTED_AFTER_A_FINISHED_SAVE)
+    code, output = _launch(1, 1, "unused", tmp_path / "run", worker=script)
+    assert code == sv.distributed.PREEMPTED_EXIT_CODE and "preempted at step 11" in output, output
