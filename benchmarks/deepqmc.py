@@ -165,7 +165,12 @@ def deepqmc_task(walkers: int) -> dict[str, Any]:
     # user code: both
     overrides = ["task=train", f"hamil/mol={MOLECULE}", "task/sampler_factory=decorr_metropolis", "task/opt=kfac"]
     overrides += [f"{key}={value}" for key, value in ANSATZ.items()]
-    overrides += [f"task.electron_batch_size={walkers}", "task.pretrain_steps=0", f"task.seed={SEED}"]
+    overrides += [
+        f"task.electron_batch_size={walkers}",
+        "task.pretrain_steps=0",
+        f"task.seed={SEED}",
+        "task.workdir=null",
+    ]
     with initialize_config_module(version_base=None, config_module="deepqmc.conf"):
         cfg = compose(config_name="config", overrides=overrides)
     # end of user code
