@@ -272,6 +272,15 @@ def deepqmc_training(
     from hydra.utils import instantiate
 
     mols = [hamil.mol]
+    kept: dict[str, Any] = {}
+
+    def keep(factory: Any) -> Any:  # the optimiser fit_wf builds, kept for the optimiser-step piece
+        def make(loss_and_grad: Any) -> Any:
+            kept["opt"] = factory(loss_and_grad)
+            return kept["opt"]
+
+        return make
+
     # user code: deepqmc
     opt = instantiate(task["opt"], _recursive_=True, _convert_="all")
     sampler_factory = instantiate(task["sampler_factory"], _recursive_=True, _convert_="all")
@@ -290,8 +299,8 @@ def deepqmc_training(
     monitors = [monitor.finalize(hamil, ansatz.apply) for monitor in default_observable_monitors()]
     train_state = TrainState(smpl_state, params, None)
     training = fit_wf(
-        rng, hamil, ansatz, opt, molecule_idx_sampler, sampler, iter(int, 1), train_state, loss_function_factory,
-        observable_monitors=monitors,
+        rng, hamil, ansatz, keep(opt), molecule_idx_sampler, sampler, iter(int, 1), train_state,
+        loss_function_factory, observable_monitors=monitors,
     )  # fmt: skip
 
     def run(n_steps):  # train()'s loop body without its logs: a step, its NaN check, the energy
@@ -329,15 +338,16 @@ def deepqmc_training(
     pieces["local energy"] = lambda: energy(one, r)
     grad = pmap(lambda p, x: jax.vmap(jax.grad(lambda q, y: ansatz.apply(q, conf(y)).log), (None, 0))(p, x))
     pieces["gradient of log|psi|"] = lambda: grad(one, r)
-    loss_fn = loss_function_factory(hamil, ansatz)
-    kfac = opt(jax.value_and_grad(loss_fn, has_aux=True))
+    # fit_wf's own optimiser (compiled already); it donates its state, so the piece carries the state on from the
+    # last training step's (the pieces run after the training rounds)
     data = {"energy_ewm": replicate_on_devices(jnp.zeros((1, 1))), "std_ewm": replicate_on_devices(jnp.zeros((1, 1)))}
     batch = (phys_conf, jnp.ones(phys_conf.batch_shape), data)
     kfac_keys = split_on_devices(keys, 1)[0]
-    opt_box = {"state": kfac.init(kfac_keys, state.params, batch)}
+    opt_box: dict[str, Any] = {}
 
-    def kfac_step() -> Any:  # kfac-jax's pmap step donates its state: carry it
-        params, opt_box["state"], *_ = kfac.step(kfac_keys, state.params, opt_box["state"], batch)
+    def kfac_step() -> Any:
+        now = last["state"]
+        params, opt_box["state"], *_ = kept["opt"].step(kfac_keys, now.params, opt_box.get("state", now.opt), batch)
         return params
 
     pieces["optimiser step (KFAC)"] = kfac_step
