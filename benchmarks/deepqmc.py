@@ -559,7 +559,8 @@ def child(args: argparse.Namespace) -> int:
         # the pieces, interleaved the same way (one call per side per repetition, after one call each)
         row["pieces"] = {}
         for name, fn in sv_job["pieces"].items():
-            theirs = name if proc is not None and name in row["deepqmc"]["pieces"] else None
+            theirs = PARTNER.get(name, name) if proc is not None else None  # DeepQMC's piece that does the same
+            theirs = theirs if proc is not None and theirs in row["deepqmc"]["pieces"] else None
             piece = {"shardvmc": lambda fn=fn: timed(fn)}
             if theirs:
                 piece["deepqmc"] = lambda name=theirs: ask(proc, cmd="piece", name=name)["seconds"]
@@ -581,6 +582,10 @@ def child(args: argparse.Namespace) -> int:
             proc.wait(timeout=120)
     reply(row)
     return 0
+
+
+# shardvmc's local energy with DeepQMC's Laplacian method against DeepQMC's local energy (its default, jvp)
+PARTNER = {"local energy, jvp Laplacian (DeepQMC's method)": "local energy"}
 
 
 def timed(fn: Any) -> float:
