@@ -48,7 +48,7 @@ walker count 8 does not divide.
 Usage (from the repository root, after ``pip install -e ".[bench]"``)::
 
     DEEPQMC_PYTHON=~/venvs/deepqmc-1.2/bin/python python benchmarks/deepqmc.py   # 1 and 8 devices
-    python benchmarks/deepqmc.py --devices 8 --rounds 10 --block 3 --walkers 128
+    python benchmarks/deepqmc.py --devices 8 --rounds 20 --block 2 --walkers 128 --trajectory ""
     python benchmarks/deepqmc.py --smoke     # shardvmc's side only, tiny, a stand-in network: no DeepQMC needed
 """
 
@@ -71,7 +71,7 @@ HERE = Path(__file__).resolve()
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE.parent]
 
 MOLECULE = "LiH"
-WALKERS = 256  # DeepQMC's electron_batch_size (1000 by default)
+WALKERS = 64  # DeepQMC's electron_batch_size (1000 by default), small: its KFAC step compiles for minutes
 # DeepQMC's default ansatz (conf/ansatz/default.yaml) scaled down: 128 -> 32 wide, 3 -> 2 interactions,
 # 16 -> 4 determinants, two-particle stream 32 -> 16.
 ANSATZ = {
@@ -92,10 +92,10 @@ SEED = 0
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--walkers", type=int, default=WALKERS, help="walkers (DeepQMC's electron_batch_size)")
-    parser.add_argument("--rounds", type=int, default=20, help="timed rounds (>= 20 for a real run)")
-    parser.add_argument("--block", type=int, default=3, help="optimisation steps per side per round")
+    parser.add_argument("--rounds", type=int, default=10, help="timed rounds")
+    parser.add_argument("--block", type=int, default=1, help="optimisation steps per side per round")
     parser.add_argument("--devices", default="1,8", help="fake CPU device counts, one process pair each")
-    parser.add_argument("--piece-reps", type=int, default=11, help="interleaved repetitions of each piece")
+    parser.add_argument("--piece-reps", type=int, default=5, help="interleaved repetitions of each piece")
     parser.add_argument("--trajectory", default="1,3,8", help="device counts of the trajectory check ('' skips)")
     parser.add_argument("--trajectory-walkers", type=int, default=60, help="walkers of that check (8 must not divide)")
     parser.add_argument("--trajectory-steps", type=int, default=4, help="optimisation steps of that check")
