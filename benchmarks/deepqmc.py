@@ -631,7 +631,7 @@ def run_child(flag: str, devices: int, args: argparse.Namespace, *extra: str) ->
     cmd += ["--block", str(args.block), "--piece-reps", str(args.piece_reps), "--deepqmc-python", args.deepqmc_python]
     cmd += ["--trajectory-walkers", str(args.trajectory_walkers), "--trajectory-steps", str(args.trajectory_steps)]
     cmd += [*extra, *(["--smoke"] if args.smoke else [])]
-    out = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, timeout=1800)
+    out = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, timeout=3600)
     rows = [json.loads(line[2:]) for line in out.stdout.splitlines() if line.startswith("@@")]
     if out.returncode or not rows:
         raise RuntimeError(f"{' '.join(cmd)} failed (exit {out.returncode}):\n{out.stdout[-3000:]}")
