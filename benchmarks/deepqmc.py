@@ -66,6 +66,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from userlines import user_lines  # this folder is on sys.path when run as a script; standard library only
+
 HERE = Path(__file__).resolve()
 # This file is benchmarks/deepqmc.py: with its folder on sys.path, `import deepqmc` would import it again.
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE.parent]
@@ -119,24 +121,6 @@ def fake_devices(n: int) -> None:
     flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", ""))
     os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
     os.environ["JAX_PLATFORMS"] = "cpu"
-
-
-def user_lines() -> dict[str, int]:
-    """Non-blank, non-comment lines of each ``# user code: NAME`` region of this file (``both`` counts for each)."""
-    counts: dict[str, int] = {}
-    name = None
-    for line in HERE.read_text().splitlines():
-        marker = re.match(r"\s*# user code: (\w+)", line)
-        if marker:
-            name = marker.group(1)
-            continue
-        if re.match(r"\s*# end of user code", line):
-            name = None
-            continue
-        if name and line.strip() and not line.strip().startswith("#"):
-            counts[name] = counts.get(name, 0) + 1
-    shared = counts.pop("both", 0)
-    return {side: n + shared for side, n in counts.items()}
 
 
 def peak_rss_mib() -> float:
@@ -674,7 +658,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     rows = [run_child("--child", int(n), args) for n in args.devices.split(",")]
     traj = trajectories(args) if args.trajectory else None
-    lines = user_lines()
+    lines = user_lines(HERE)
     report(rows, traj, lines, args)
     print(f"\n(total {time.perf_counter() - started:.0f} s)")
     if args.json:
