@@ -41,7 +41,6 @@ Usage (from the repository root, with NetKet installed: ``pip install -e ".[benc
 import argparse
 import json
 import os
-import re
 import sys
 import time
 import warnings
@@ -49,6 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from harness import interleaved, ratio  # this folder is on sys.path when run as a script; starts no backend
+from userlines import user_lines
 
 from shardvmc.testing import set_cpu_devices  # imports jax; starts no backend
 
@@ -76,24 +76,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.walkers, args.rounds, args.block, args.eval_steps = "13", 2, 2, 4
     args.walkers = [int(n) for n in args.walkers.split(",")]
     return args
-
-
-def user_lines() -> dict[str, int]:
-    """Non-blank, non-comment lines of each ``# user code: NAME`` region of this file (the model counts for both)."""
-    counts: dict[str, int] = {}
-    name = None
-    for line in Path(__file__).read_text().splitlines():
-        marker = re.match(r"\s*# user code: (\w+)", line)
-        if marker:
-            name = marker.group(1)
-            continue
-        if re.match(r"\s*# end of user code", line):
-            name = None
-            continue
-        if name and line.strip() and not line.strip().startswith("#"):
-            counts[name] = counts.get(name, 0) + 1
-    shared = counts.pop("both", 0)
-    return {side: n + shared for side, n in counts.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -215,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     sides = {"shardvmc": on_mesh(shardvmc_side)}
     if not args.smoke:
         sides = {"netket": netket_side, **sides}
-    lines = user_lines()
+    lines = user_lines(__file__)
     rows = []
     devices = jax.devices()
     print(f"# Hooke's atom, {len(devices)} x {devices[0].device_kind} ({devices[0].platform}), jax {jax.__version__}")

@@ -18,13 +18,13 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 NONE = {"all-gather": 0, "all-reduce": 0, "all-to-all": 0, "collective-permute": 0, "reduce-scatter": 0}
 
 
-def _run(script: str, *args: str, tmp_path: pathlib.Path) -> tuple[str, dict]:
+def _run(script: str, *args: str, tmp_path: pathlib.Path, timeout: float = 240) -> tuple[str, dict]:
     out = tmp_path / "out.json"
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / script), *args, "--json", str(out)],
         capture_output=True,
         text=True,
-        timeout=240,
+        timeout=timeout,
         cwd=ROOT,
     )
     assert proc.returncode == 0, f"{script} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
@@ -161,3 +161,23 @@ def test_checkpoint_io_reports_what_the_checksums_cost(tmp_path):
     for name in ("state save s", "state commit s", "state restore s", "checksums on save s", "checksums on restore s"):
         assert data[name] > 0, name
     assert data["checksums share of the state's commit"] > 0 and data["checksums share of the state's restore"] > 0
+
+
+def test_deepqmc_comparison_runs_its_shardvmc_side_without_deepqmc(tmp_path):
+    # DeepQMC is an optional benchmark dependency (pip install -e ".[bench]"), not in the test environment:
+    # --smoke runs shardvmc's side of benchmarks/deepqmc.py alone (the examples' network of LiH standing in for
+    # DeepQMC's ansatz), KFAC on 16 walkers over the 8 fake devices, then its trajectory with natural gradient on
+    # 1 and 3 devices for 13 walkers (padded on 3 devices and, in a real run, on 8).
+    stdout, data = _run("deepqmc.py", "--smoke", tmp_path=tmp_path, timeout=1200)
+    (row,) = data["rows"]
+    side = row["shardvmc"]
+    assert row["devices"] == 8 and "deepqmc" not in row and "ratio" not in row
+    assert side["energy"]["steps"] == 1 + 2 * 1 + 2 * 1  # the first step, two warm-up blocks, two rounds of 1
+    assert -12.0 < side["energy"]["mean"] < -2.0  # LiH (-8.07 Ha) from an untrained network: loosely
+    assert set(row["pieces"]) >= {"sampler step", "local energy", "gradient of log|psi|", "optimiser step (KFAC)"}
+    assert all(piece["shardvmc_ms"] > 0 for piece in row["pieces"].values())
+    runs = data["trajectory"]["runs"]["sr"]
+    assert set(runs) == {"1", "3"} and data["trajectory"]["walkers"] == 13
+    assert runs["3"]["energy_max_diff"] < 1e-3 and runs["3"]["params_max_diff"] < 1e-3  # float32 round-off
+    assert data["lines"]["deepqmc"] > 0 and data["lines"]["shardvmc"] > 0
+    assert "| 8 |" in stdout

@@ -84,12 +84,12 @@ def test_shardvmc_kfac_imports_exactly_when_kfac_jax_does():
 
 
 def test_the_kfac_extras_pin_a_jax_that_kfac_jax_supports():
-    """While they allow kfac-jax 0.0.8, the kfac and examples extras keep JAX below 0.11 (0.10.2 allowed).
+    """While they allow kfac-jax 0.0.8, the kfac, examples and bench extras keep JAX below 0.11 (0.10.2 allowed).
 
     The test extra stays unpinned: CI's Python 3.13 leg runs the newest JAX with it.
     """
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
-    for extra in ("kfac", "examples"):
+    for extra in ("kfac", "examples", "bench"):
         pins = {r.name: r.specifier for r in map(Requirement, extras[extra])}
         assert "0.0.8" in pins["kfac-jax"], extra  # the constraint below is for this release
         for package in ("jax", "jaxlib"):

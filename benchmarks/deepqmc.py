@@ -1,0 +1,709 @@
+"""DeepQMC and shardvmc side by side: the same molecule trained by KFAC, step time as a ratio.
+
+The job: LiH (DeepQMC's ``hamil/mol=LiH``, 4 electrons), DeepQMC's default ansatz
+(``ansatz=default``: PauliNet-style GNN, envelopes, backflow, cusps) scaled down, float32,
+the same initial parameters on both sides; DeepQMC's ``decorr_metropolis`` sampler (20
+all-electron Gaussian moves per step, width adapted toward 57 % acceptance); DeepQMC's
+KFAC settings (``task/opt=kfac``: learning rate ``0.05 / (1 + t / 10^4)``, norm
+constraint 1e-3, damping 1e-3, ``fisher_exact``, inverse every step, no momentum) and its
+energy clipping (``median_log_squeeze_and_mask``: the local energies squeezed
+logarithmically beyond the 95 % quantile of their distance to the median, in the gradient
+only).
+
+- DeepQMC: its hydra configs composed with overrides, its own training loop
+  (``deepqmc.fit.fit_wf``, what ``deepqmc.train.train`` runs after equilibration), on
+  ``pmap`` over every device of its process.
+- shardvmc: DeepQMC's haiku wavefunction as ``log_psi(params, r)`` of one walker,
+  ``sv.mcmc.Metropolis``, ``sv.hamiltonian.local_energy`` (folx), DeepQMC's loss
+  written FermiNet's way (a ``custom_jvp`` over one device's walkers, the clipping with
+  ``all_gather``) and ``shardvmc.kfac.Optimizer``.
+
+DeepQMC 1.2.0 (the newest release on Python 3.11; 1.3.0 needs Python >= 3.12 and pins
+``jax<0.9``) cannot train on the JAX shardvmc needs (>= 0.10.2): its training calls
+``jax.device_put_replicated`` and ``jax.tree_map`` (both removed), and its KFAC graph
+patterns build ``kfac_jax.LayerTag(name, 1, 1)``, which kfac-jax 0.0.8 (the only
+kfac-jax for JAX 0.10) no longer accepts. So DeepQMC's side runs in a worker process of
+its own interpreter (``--deepqmc-python``, default ``$DEEPQMC_PYTHON``, else this one),
+a venv with DeepQMC 1.2.0 on the JAX and kfac-jax it was released for::
+
+    python3.11 -m venv ~/venvs/deepqmc-1.2
+    ~/venvs/deepqmc-1.2/bin/pip install "deepqmc==1.2.0" "kfac-jax==0.0.6" "jax<0.5" "jaxlib<0.5"
+
+Both processes see the same number of fake CPU devices on the same cores; while one runs
+a block of steps the other waits on a pipe. Each round runs ``--block`` steps of one side,
+then of the other (the order reversed every other round, after two warm-up blocks); the
+figure is the median over rounds of the per-round ratio shardvmc / DeepQMC with its
+quartiles. Each side times its own blocks (``time.perf_counter`` around the steps, the
+result waited for), so the pipe costs nothing. Without a DeepQMC that trains, the table
+says why (the exact error) and compares the pieces that run.
+
+Also printed: the first step (compilation included), the energy of each side over the
+second half of its steps (``sv.statistics`` of the per-step means), the peak resident
+memory of each process, the lines of user code of each side (the regions between the
+``# user code`` markers of this file, blank and comment lines left out), the time of each
+piece (sampler step, local energy, gradient of ``log|psi|``, the optimiser's step) on
+both sides, and whether shardvmc's trajectory is the same on 1, 3 and 8 devices for a
+walker count 8 does not divide.
+
+Usage (from the repository root, after ``pip install -e ".[bench]"``)::
+
+    DEEPQMC_PYTHON=~/venvs/deepqmc-1.2/bin/python python benchmarks/deepqmc.py   # 1 and 8 devices
+    python benchmarks/deepqmc.py --devices 8 --rounds 20 --block 2 --walkers 128 --trajectory ""
+    python benchmarks/deepqmc.py --smoke     # shardvmc's side only, tiny, a stand-in network: no DeepQMC needed
+"""
+
+import argparse
+import json
+import os
+import pickle
+import re
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from userlines import user_lines  # this folder is on sys.path when run as a script; standard library only
+
+HERE = Path(__file__).resolve()
+# This file is benchmarks/deepqmc.py: with its folder on sys.path, `import deepqmc` would import it again.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE.parent]
+
+MOLECULE = "LiH"
+WALKERS = 64  # DeepQMC's electron_batch_size (1000 by default), small: its KFAC step compiles for minutes
+# DeepQMC's default ansatz (conf/ansatz/default.yaml) scaled down: 128 -> 32 wide, 3 -> 2 interactions,
+# 16 -> 4 determinants, two-particle stream 32 -> 16.
+ANSATZ = {
+    "ansatz.omni_factory.embedding_dim": 32,
+    "ansatz.omni_factory.gnn_factory.n_interactions": 2,
+    "ansatz.n_determinants": 4,
+    "ansatz.omni_factory.gnn_factory.two_particle_stream_dim": 16,
+}
+DECORRELATION = 20  # conf/task/sampler_factory/decorr_metropolis.yaml: 20 Metropolis moves per step
+TAU = 1.0  # its initial proposal width
+ACCEPTANCE = 0.57  # MetropolisSampler's default target_acceptance
+LEARNING_RATE, DECAY = 0.05, 1e4  # conf/task/opt/kfac.yaml: InverseSchedule(0.05, 10000)
+NORM_CONSTRAINT, DAMPING = 1e-3, 1e-3
+BURN_IN = 10  # sampler calls at the initial parameters before training, on both sides
+SEED = 0
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--walkers", type=int, default=WALKERS, help="walkers (DeepQMC's electron_batch_size)")
+    parser.add_argument("--rounds", type=int, default=10, help="timed rounds")
+    parser.add_argument("--block", type=int, default=1, help="optimisation steps per side per round")
+    parser.add_argument("--devices", default="1,8", help="fake CPU device counts, one process pair each")
+    parser.add_argument("--piece-reps", type=int, default=5, help="interleaved repetitions of each piece")
+    parser.add_argument("--trajectory", default="1,3,8", help="device counts of the trajectory check ('' skips)")
+    parser.add_argument("--trajectory-walkers", type=int, default=60, help="walkers of that check (8 must not divide)")
+    parser.add_argument("--trajectory-steps", type=int, default=4, help="optimisation steps of that check")
+    parser.add_argument("--deepqmc-python", default=os.environ.get("DEEPQMC_PYTHON", sys.executable))
+    parser.add_argument("--smoke", action="store_true", help="shardvmc's side only, tiny, with a stand-in network")
+    parser.add_argument("--json", default="", help="also write the results to this JSON file")
+    # internal: one device count (--child), DeepQMC's worker (--worker), one trajectory (--trajectory-child)
+    parser.add_argument("--child", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--worker", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--trajectory-child", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--optimiser", default="kfac", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.walkers, args.rounds, args.block, args.piece_reps = 16, 2, 1, 2
+        args.devices, args.trajectory, args.trajectory_walkers, args.trajectory_steps = "8", "1,3", 13, 2
+    return args
+
+
+def fake_devices(n: int) -> None:
+    """Ask XLA for ``n`` fake CPU devices (before JAX starts its backend), one thread pool per process."""
+    flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", ""))
+    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+    os.environ["JAX_PLATFORMS"] = "cpu"
+
+
+def peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def quartiles(values: list[float]) -> dict[str, float]:
+    values = sorted(values)
+    q = statistics.quantiles(values, n=4) if len(values) > 1 else [values[0]] * 3
+    return {"median": statistics.median(values), "q25": q[0], "q75": q[2], "n": len(values)}
+
+
+def fmt_ratio(r: dict[str, float] | None) -> str:
+    return "-" if not r else f"{r['median']:.3f} [{r['q25']:.3f}, {r['q75']:.3f}]"
+
+
+# ================================================================================================
+# The ansatz and the Hamiltonian, built from DeepQMC's hydra configs (both sides)
+
+
+def deepqmc_task(walkers: int) -> dict[str, Any]:
+    """DeepQMC's ``task`` config with this benchmark's overrides, as ``deepqmc task=train ...`` composes it."""
+    from hydra import compose, initialize_config_module
+    from omegaconf import OmegaConf
+
+    # user code: both
+    overrides = ["task=train", f"hamil/mol={MOLECULE}", "task/sampler_factory=decorr_metropolis", "task/opt=kfac"]
+    overrides += [f"{key}={value}" for key, value in ANSATZ.items()]
+    overrides += [
+        f"task.electron_batch_size={walkers}",
+        "task.pretrain_steps=0",
+        f"task.seed={SEED}",
+        "task.workdir=null",
+    ]
+    with initialize_config_module(version_base=None, config_module="deepqmc.conf"):
+        cfg = compose(config_name="config", overrides=overrides)
+    # end of user code
+    return OmegaConf.to_object(cfg.task)  # type: ignore[return-value]
+
+
+def deepqmc_model(task: dict[str, Any]) -> tuple[Any, Any]:
+    """DeepQMC's Hamiltonian and its haiku-transformed ansatz (``ansatz.init``, ``ansatz.apply``)."""
+    from deepqmc.app import instantiate_ansatz
+    from hydra.utils import instantiate
+
+    # user code: both
+    hamil = instantiate(task["hamil"], _recursive_=True, _convert_="all")
+    ansatz = instantiate_ansatz(hamil, instantiate(task["ansatz"], _recursive_=True, _convert_="all"))
+    # end of user code
+    return hamil, ansatz
+
+
+def initial_params(hamil: Any, ansatz: Any) -> Any:
+    """The initial parameters of both sides: DeepQMC's ``init_wf_params`` for one state, without its replication."""
+    import jax
+
+    rng_sample, rng_params = jax.random.split(jax.random.split(jax.random.PRNGKey(SEED))[1])
+    phys_conf = hamil.init_sample(rng_sample, hamil.mol.coords, 1)[0]
+    return ansatz.init(rng_params, phys_conf)
+
+
+# ================================================================================================
+# DeepQMC's side: a worker process in DeepQMC's own interpreter, driven over a pipe
+
+
+def reply(payload: dict[str, Any]) -> None:
+    sys.stdout.write("@@" + json.dumps(payload) + "\n")
+    sys.stdout.flush()
+
+
+def worker(args: argparse.Namespace) -> int:
+    """DeepQMC's training and pieces; requests on stdin, each answered on stdout (``@@`` + JSON)."""
+    fake_devices(args.worker)
+    import importlib.metadata
+    import traceback
+
+    import jax
+    import jax.numpy as jnp
+
+    versions = {p: importlib.metadata.version(p) for p in ("deepqmc", "jax", "jaxlib", "kfac-jax", "dm-haiku")}
+    task = deepqmc_task(args.walkers)
+    hamil, ansatz = deepqmc_model(task)
+    request = json.loads(sys.stdin.readline())
+    with open(request["params"], "rb") as f:
+        params0 = jax.tree_util.tree_map(jnp.asarray, pickle.load(f))
+    from deepqmc.types import PhysicalConfiguration
+
+    r_check = jnp.asarray(request["r_check"], jnp.float32)
+    conf = lambda r: PhysicalConfiguration(hamil.mol.coords, r, jnp.array(0))  # noqa: E731
+    log_check = jax.vmap(lambda r: ansatz.apply(params0, conf(r)).log)(r_check)
+    ready: dict[str, Any] = {"versions": versions, "devices": jax.device_count(), "log_check": log_check.tolist()}
+    energies: list[float] = []
+    pieces: dict[str, Any] = {}
+    run_block = None
+    try:
+        run_block, ready["first_step_s"], ready["walkers_per_device"] = deepqmc_training(
+            task, hamil, ansatz, params0, args.walkers, energies, pieces
+        )
+    except Exception as err:  # DeepQMC's training does not run here: say exactly why, time what runs
+        ready["error"] = f"{type(err).__name__}: {err}".splitlines()[0]
+        ready["traceback"] = traceback.format_exc()[-2500:]
+    ready["pieces"] = sorted(pieces)
+    reply(ready)
+    for line in sys.stdin:
+        request = json.loads(line)
+        if request["cmd"] == "run":
+            assert run_block is not None
+            reply({"seconds": run_block(request["steps"])})
+        elif request["cmd"] == "piece":
+            fn = pieces[request["name"]]
+            start = time.perf_counter()
+            jax.block_until_ready(fn())
+            reply({"seconds": time.perf_counter() - start})
+        else:
+            reply({"energies": energies, "peak_rss_mib": peak_rss_mib()})
+            break
+    return 0
+
+
+def deepqmc_training(
+    task: dict[str, Any], hamil: Any, ansatz: Any, params0: Any, walkers: int, energies: list, pieces: dict
+) -> tuple[Any, float, int]:
+    """DeepQMC's own training loop (``fit_wf``) from ``params0``: ``run_block(n)``, the first step's time, and the
+    walkers per device; fills ``pieces`` with DeepQMC's sampler step, local energy, gradient and KFAC step."""
+    import jax
+    import jax.numpy as jnp
+    from deepqmc.fit import fit_wf
+    from deepqmc.observable import default_observable_monitors
+    from deepqmc.parallel import pmap, replicate_on_devices, split_on_devices, split_rng_key_to_devices
+    from deepqmc.sampling import initialize_sampler_state
+    from deepqmc.types import PhysicalConfiguration, TrainState
+    from deepqmc.utils import tree_stack
+    from hydra.utils import instantiate
+
+    mols = [hamil.mol]
+    kept: dict[str, Any] = {}
+
+    def keep(factory: Any) -> Any:  # the optimiser fit_wf builds, kept for the optimiser-step piece
+        def make(loss_and_grad: Any) -> Any:
+            kept["opt"] = factory(loss_and_grad)
+            return kept["opt"]
+
+        return make
+
+    # user code: deepqmc
+    opt = instantiate(task["opt"], _recursive_=True, _convert_="all")
+    sampler_factory = instantiate(task["sampler_factory"], _recursive_=True, _convert_="all")
+    loss_function_factory = instantiate(task["loss_function_factory"], _recursive_=True, _convert_="all")
+    rng = jax.random.PRNGKey(SEED)
+    rng, rng_smpl = jax.random.split(rng)
+    molecule_idx_sampler, sampler = sampler_factory(rng_smpl, hamil, ansatz, mols, 1, 1)
+    params = replicate_on_devices(tree_stack([params0]), globally=True)  # what init_wf_params returns
+    rng = split_rng_key_to_devices(rng)
+    rng, rng_eq, rng_init = split_on_devices(rng, 3)
+    smpl_state = initialize_sampler_state(rng_init, sampler, params, walkers, mols)
+    sample = pmap(sampler.sample)
+    for _ in range(BURN_IN):  # the burn-in (train() equilibrates until its criterion holds)
+        rng_eq, key = split_on_devices(rng_eq, 2)
+        smpl_state = sample(key, smpl_state, params, molecule_idx_sampler.sample())[0]
+    monitors = [monitor.finalize(hamil, ansatz.apply) for monitor in default_observable_monitors()]
+    train_state = TrainState(smpl_state, params, None)
+    training = fit_wf(
+        rng, hamil, ansatz, keep(opt), molecule_idx_sampler, sampler, iter(int, 1), train_state,
+        loss_function_factory, observable_monitors=monitors,
+    )  # fmt: skip
+
+    def run(n_steps):  # train()'s loop body without its logs: a step, its NaN check, the energy
+        for _ in range(n_steps):
+            step, train_state, mol_idxs, stats, samples = next(training)
+            if jnp.isnan(samples["psi/samples"]["log"]).any():
+                raise FloatingPointError(f"NaN at step {step}")
+            energies.append(float(stats["local_energy/mean"].ravel()[0]))
+        return train_state
+
+    # end of user code
+    start = time.perf_counter()
+    last = {"state": jax.block_until_ready(run(1))}
+    first = time.perf_counter() - start
+
+    def run_block(n_steps: int) -> float:
+        start = time.perf_counter()
+        last["state"] = jax.block_until_ready(run(n_steps))
+        return time.perf_counter() - start
+
+    # The pieces, at the trained state of the first step (fit_wf's own objects are local to it: built as it builds
+    # them). A sampler step is what fit_wf's sample_wf runs; the KFAC step is its opt.step (the loss, its gradient,
+    # the curvature and the update: everything of a training step but the sampling).
+    n_dev = jax.device_count()
+    state = last["state"]
+    keys = jax.random.split(jax.random.PRNGKey(2), n_dev)
+    mol_idxs = jnp.zeros((n_dev, 1), jnp.int32)
+    smpl_state, phys_conf, _ = sample(keys, state.sampler, state.params, mol_idxs)
+    pieces["sampler step"] = lambda: sample(keys, state.sampler, state.params, mol_idxs)[0]
+    one = jax.tree_util.tree_map(lambda x: x[:, 0], state.params)  # the one electronic state, per device
+    r = phys_conf.r[:, 0, 0]  # (devices, walkers per device, electrons, 3)
+    conf = lambda x: PhysicalConfiguration(hamil.mol.coords, x, jnp.array(0))  # noqa: E731
+    local_energy = hamil.local_energy(ansatz.apply)
+    energy = pmap(lambda p, x: jax.vmap(lambda y: local_energy(None, p, conf(y))[0])(x))
+    pieces["local energy"] = lambda: energy(one, r)
+    grad = pmap(lambda p, x: jax.vmap(jax.grad(lambda q, y: ansatz.apply(q, conf(y)).log), (None, 0))(p, x))
+    pieces["gradient of log|psi|"] = lambda: grad(one, r)
+    # fit_wf's own optimiser (compiled already); it donates its state, so the piece carries the state on from the
+    # last training step's (the pieces run after the training rounds)
+    data = {"energy_ewm": replicate_on_devices(jnp.zeros((1, 1))), "std_ewm": replicate_on_devices(jnp.zeros((1, 1)))}
+    batch = (phys_conf, jnp.ones(phys_conf.batch_shape), data)
+    kfac_keys = split_on_devices(keys, 1)[0]
+    opt_box: dict[str, Any] = {}
+
+    def kfac_step() -> Any:
+        now = last["state"]
+        params, opt_box["state"], *_ = kept["opt"].step(kfac_keys, now.params, opt_box.get("state", now.opt), batch)
+        return params
+
+    pieces["optimiser step (KFAC)"] = kfac_step
+    return run_block, first, int(smpl_state["elec"]["r"].shape[-3])
+
+
+def start_worker(args: argparse.Namespace, devices: int, params_path: str, r_check: Any) -> Any:
+    """DeepQMC's worker on ``devices`` fake devices in ``--deepqmc-python``: ``(process, its ready message)``."""
+    cmd = [args.deepqmc_python, str(HERE), "--worker", str(devices), "--walkers", str(args.walkers)]
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "XLA_FLAGS")}  # its own packages
+    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    return proc, ask(proc, params=params_path, r_check=r_check)
+
+
+def ask(proc: Any, **request: Any) -> dict[str, Any]:
+    proc.stdin.write(json.dumps(request) + "\n")
+    proc.stdin.flush()
+    for line in proc.stdout:
+        if line.startswith("@@"):
+            return json.loads(line[2:])
+    raise RuntimeError(f"DeepQMC's worker ended (exit {proc.wait()}) without answering")
+
+
+# ================================================================================================
+# shardvmc's side, in this process
+
+
+def shardvmc_job(walkers: int, smoke: bool, optimiser: str = "kfac") -> dict[str, Any]:
+    """shardvmc's training of the same ansatz from the same parameters: ``start()``, ``run(n)``, the pieces."""
+    import jax
+    import jax.numpy as jnp
+    import kfac_jax
+
+    import shardvmc as sv
+    import shardvmc.kfac as svk
+
+    if smoke:  # no DeepQMC: the examples' FermiNet-style network of LiH stands in for DeepQMC's ansatz
+        sys.path.insert(0, str(HERE.parents[1] / "examples"))
+        import network
+
+        system = network.SYSTEMS["LiH"]
+        coords, charges = jnp.asarray(system.coords), jnp.asarray(system.charges)
+        params0 = network.init(jax.random.key(SEED), system, 8, 4, 1, 1, jnp.float32)
+        log_psi = lambda params, r: network.log_psi(params, r, system)  # noqa: E731
+        one_walker = lambda key: network.init_walker(key, system, jnp.float32)  # noqa: E731
+    else:
+        from deepqmc.types import PhysicalConfiguration
+
+        hamil, ansatz = deepqmc_model(deepqmc_task(walkers))
+        params0 = initial_params(hamil, ansatz)
+        one_walker = lambda key: hamil.init_sample(key, hamil.mol.coords, 1).r[0]  # noqa: E731
+        # user code: shardvmc
+        coords, charges = hamil.mol.coords, hamil.mol.charges
+
+        def log_psi(params, r):  # DeepQMC's ansatz for ONE walker: r of shape (electrons, 3)
+            return ansatz.apply(params, PhysicalConfiguration(coords, r, jnp.array(0))).log
+
+        # end of user code
+    energies: list[float] = []
+    # user code: shardvmc
+    AXIS = "device_axis"  # the axis name of the loss's collectives (DeepQMC's pmap axis)
+    local_energy = sv.hamiltonian.local_energy(log_psi, lambda r: sv.hamiltonian.coulomb(r, charges, coords))
+    sampler = sv.mcmc.Metropolis(log_psi, n_steps=DECORRELATION, target_acceptance=ACCEPTANCE)
+
+    def log_squeeze(x):  # deepqmc.utils.log_squeeze
+        return jnp.sign(x) * jnp.log1p((jnp.abs(x) + x**2 / 2 + jnp.abs(x) ** 3) / (1 + x**2))
+
+    @jax.custom_jvp
+    def loss(params, key, r):  # one device's walkers, as under pmap; the mean energy over all of them
+        e = local_energy(params, r)
+        return jax.lax.pmean(jnp.mean(e), AXIS), e
+
+    @loss.defjvp
+    def loss_jvp(primals, tangents):  # DeepQMC's gradient, its energies clipped (median_log_squeeze_and_mask)
+        params, key, r = primals
+        mean, e = loss(params, key, r)
+        every = jax.lax.all_gather(e, AXIS)
+        median = jnp.median(every)
+        width = jnp.quantile(jnp.abs(every - median), 0.95)
+        clipped = median + 2 * width * log_squeeze((e - median) / (2 * width))
+        psi, psi_tangent = jax.jvp(lambda p: jax.vmap(log_psi, (None, 0))(p, r), (params,), (tangents[0],))
+        kfac_jax.register_normal_predictive_distribution(psi[:, None])
+        tangent = jnp.mean((clipped - jax.lax.pmean(jnp.mean(clipped), AXIS)) * psi_tangent)
+        return (mean, e), (tangent, e)
+
+    opt = svk.Optimizer(
+        jax.value_and_grad(loss, has_aux=True), l2_reg=0.0, pmap_axis_name=AXIS, value_func_has_aux=True,
+        value_func_has_rng=True, learning_rate_schedule=lambda t: LEARNING_RATE / (1 + t / DECAY),
+        damping_schedule=lambda t: DAMPING, norm_constraint=NORM_CONSTRAINT, estimation_mode="fisher_exact",
+        inverse_update_period=1, num_burnin_steps=0,
+    )  # fmt: skip
+    sample = jax.jit(sampler.step)
+
+    def step(params, opt_state, state, key):
+        state = sample(params, state, key)
+        params, opt_state, stats = opt.step(params, opt_state, jax.random.fold_in(key, 1), batch=state.positions,
+                                            momentum=0.0)  # fmt: skip
+        return params, opt_state, state, stats["loss"]
+
+    # end of user code
+    init = lambda params, state: opt.init(params, jax.random.key(1), state.positions)  # noqa: E731
+    if optimiser == "sr":  # the trajectory check's padding-aware optimiser: natural gradient (shardvmc.optax)
+        import optax
+
+        import shardvmc.optax as svx
+
+        sr = optax.chain(svx.natural_gradient(damping=DAMPING, method="dense"), optax.sgd(LEARNING_RATE))
+
+        @sv.walker_parallel
+        def measure(params: sv.Replicated[Any], w: sv.PerWalker[Any]) -> tuple[sv.PerWalker, sv.PerWalker, sv.Mean]:
+            e = local_energy(params, w.r)
+            return e, jax.grad(log_psi)(params, w.r), e
+
+        @jax.jit
+        def step(params, opt_state, state, key):  # noqa: F811
+            state = sampler.step(params, state, key)
+            e, jac, mean = measure(params, state.walkers)
+            updates, opt_state = sr.update(params, opt_state, params, jacobian=jac, local_energies=e)
+            return optax.apply_updates(params, updates), opt_state, state, mean
+
+        init = lambda params, state: sr.init(params)  # noqa: E731, F811
+
+    box: dict[str, Any] = {"params": sv.replicate(params0)}
+    positions = sv.initialize_walkers_sharded(one_walker, walkers, key=jax.random.key(SEED))
+    box["state"] = sampler.init(box["params"], positions, width=TAU)
+    for t in range(BURN_IN):  # the burn-in at the initial parameters
+        box["state"] = sample(box["params"], box["state"], jax.random.fold_in(jax.random.key(2), t))
+
+    def run(n_steps: int) -> Any:
+        if "opt" not in box:
+            box["opt"] = init(box["params"], box["state"])
+        for _ in range(n_steps):
+            key = jax.random.fold_in(jax.random.key(3), len(energies))
+            box["params"], box["opt"], box["state"], energy = step(box["params"], box["opt"], box["state"], key)
+            energies.append(float(energy))
+        return box["params"]
+
+    @sv.walker_parallel
+    def gradient(params: sv.Replicated[Any], r: sv.PerWalker[jax.Array]) -> sv.PerWalker[Any]:
+        return jax.grad(log_psi)(params, r)  # one walker's d log|psi| / d params
+
+    key = jax.random.key(4)
+    jvp_energy = sv.hamiltonian.local_energy(
+        log_psi, lambda r: sv.hamiltonian.coulomb(r, charges, coords), laplacian="jvp"
+    )
+    pieces = {
+        "sampler step": lambda: sample(box["params"], box["state"], key),
+        "local energy": lambda: local_energy(box["params"], box["state"].walkers),
+        "local energy, jvp Laplacian (DeepQMC's method)": lambda: jvp_energy(box["params"], box["state"].walkers),
+        "gradient of log|psi|": lambda: gradient(box["params"], box["state"].walkers.data.r),
+        "optimiser step (KFAC)": lambda: opt.step(
+            box["params"], box["opt"], key, batch=box["state"].positions, momentum=0.0
+        )[0],  # fmt: skip
+    }
+    return {"run": run, "energies": energies, "box": box, "pieces": pieces, "params0": params0, "log_psi": log_psi}
+
+
+# ================================================================================================
+# One device count (a child process), the trajectory check, and the table
+
+
+def energy_stats(series: list[float]) -> dict[str, float]:
+    """Mean and error of the per-step mean energies of the second half of a run (``sv.statistics``, one chain)."""
+    import warnings
+
+    import jax
+    import jax.numpy as jnp
+
+    import shardvmc as sv
+
+    tail = jnp.asarray(series[len(series) // 2 :])
+    with jax.set_mesh(sv.create_mesh()), warnings.catch_warnings():
+        warnings.simplefilter("ignore", sv.PaddingWarning)  # one chain, padded to the devices
+        stats = sv.statistics(tail[None, :])
+    return {"mean": float(stats.mean), "error": float(stats.error_of_mean), "steps": len(series)}
+
+
+def child(args: argparse.Namespace) -> int:
+    """Both sides on ``args.child`` fake devices: first step, interleaved rounds, the pieces; one JSON row."""
+    fake_devices(args.child)
+    import jax
+    import numpy as np
+
+    row: dict[str, Any] = {"devices": args.child, "walkers": args.walkers, "rounds": args.rounds, "block": args.block}
+    sv_job = shardvmc_job(args.walkers, args.smoke)
+    proc = None
+    if not args.smoke:
+        r_check = np.asarray(sv_job["box"]["state"].walkers.data.r[:4])
+        mine = np.asarray(jax.vmap(lambda r: sv_job["log_psi"](sv_job["params0"], r))(r_check))
+        with tempfile.NamedTemporaryFile(suffix=".pkl", delete=False) as f:
+            pickle.dump(jax.tree_util.tree_map(np.asarray, sv_job["params0"]), f)
+        proc, ready = start_worker(args, args.child, f.name, r_check.tolist())
+        os.unlink(f.name)
+        row["deepqmc"] = ready
+        row["same_ansatz_max_diff"] = float(np.max(np.abs(np.asarray(ready["log_check"]) - mine)))
+    try:
+        start = time.perf_counter()
+        jax.block_until_ready(sv_job["run"](1))
+        row["shardvmc"] = {"first_step_s": time.perf_counter() - start}
+        trains = proc is not None and not row["deepqmc"].get("error")
+        sides = {"shardvmc": lambda: timed(lambda: sv_job["run"](args.block))}
+        if trains:
+            sides["deepqmc"] = lambda: ask(proc, cmd="run", steps=args.block)["seconds"]
+        times = alternate(sides, args.rounds)
+        row["shardvmc"]["step_ms"] = 1e3 * statistics.median(times["shardvmc"]) / args.block
+        if trains:
+            row["deepqmc"]["step_ms"] = 1e3 * statistics.median(times["deepqmc"]) / args.block
+            row["ratio"] = quartiles([a / b for a, b in zip(times["shardvmc"], times["deepqmc"])])
+        # the pieces, interleaved the same way (one call per side per repetition, after one call each)
+        row["pieces"] = {}
+        for name, fn in sv_job["pieces"].items():
+            theirs = PARTNER.get(name, name) if proc is not None else None  # DeepQMC's piece that does the same
+            theirs = theirs if proc is not None and theirs in row["deepqmc"]["pieces"] else None
+            piece = {"shardvmc": lambda fn=fn: timed(fn)}
+            if theirs:
+                piece["deepqmc"] = lambda name=theirs: ask(proc, cmd="piece", name=name)["seconds"]
+            t = alternate(piece, args.piece_reps)
+            entry = {"shardvmc_ms": 1e3 * statistics.median(t["shardvmc"])}
+            if theirs:
+                entry["deepqmc_ms"] = 1e3 * statistics.median(t["deepqmc"])
+                entry["ratio"] = quartiles([a / b for a, b in zip(t["shardvmc"], t["deepqmc"])])
+            row["pieces"][name] = entry
+        row["shardvmc"].update(energy=energy_stats(sv_job["energies"]), peak_rss_mib=peak_rss_mib())
+        if proc is not None:
+            done = ask(proc, cmd="finish")
+            row["deepqmc"]["peak_rss_mib"] = done["peak_rss_mib"]
+            if done["energies"]:
+                row["deepqmc"]["energy"] = energy_stats(done["energies"])
+    finally:
+        if proc is not None:
+            proc.stdin.close()
+            proc.wait(timeout=120)
+    reply(row)
+    return 0
+
+
+# shardvmc's local energy with DeepQMC's Laplacian method against DeepQMC's local energy (its default, jvp)
+PARTNER = {"local energy, jvp Laplacian (DeepQMC's method)": "local energy"}
+
+
+def timed(fn: Any) -> float:
+    import jax
+
+    start = time.perf_counter()
+    jax.block_until_ready(fn())
+    return time.perf_counter() - start
+
+
+def alternate(sides: dict[str, Any], rounds: int) -> dict[str, list[float]]:
+    """Seconds of each side per round, the sides in turn (order reversed every other round), after 2 warm-ups."""
+    names = list(sides)
+    for _ in range(2):
+        for name in names:
+            sides[name]()
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for i in range(rounds):
+        for name in names if i % 2 == 0 else names[::-1]:
+            times[name].append(sides[name]())
+    return times
+
+
+def trajectory_child(args: argparse.Namespace) -> int:
+    """shardvmc's job on ``args.trajectory_child`` devices: the per-step energies and the final parameters."""
+    fake_devices(args.trajectory_child)
+    import jax
+    import numpy as np
+
+    job = shardvmc_job(args.trajectory_walkers, args.smoke, args.optimiser)
+    try:
+        params = job["run"](args.trajectory_steps)
+    except Exception as err:  # shardvmc.kfac refuses walkers the mesh does not split evenly
+        reply({"error": f"{type(err).__name__}: {err}".splitlines()[0]})
+        return 0
+    flat = np.concatenate([np.ravel(np.asarray(x)) for x in jax.tree_util.tree_leaves(params)])
+    reply({"energies": job["energies"], "params": flat.tolist(), "devices": jax.device_count()})
+    return 0
+
+
+def run_child(flag: str, devices: int, args: argparse.Namespace, *extra: str) -> dict[str, Any]:
+    cmd = [sys.executable, str(HERE), flag, str(devices), "--walkers", str(args.walkers), "--rounds", str(args.rounds)]
+    cmd += ["--block", str(args.block), "--piece-reps", str(args.piece_reps), "--deepqmc-python", args.deepqmc_python]
+    cmd += ["--trajectory-walkers", str(args.trajectory_walkers), "--trajectory-steps", str(args.trajectory_steps)]
+    cmd += [*extra, *(["--smoke"] if args.smoke else [])]
+    out = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, timeout=3600)
+    rows = [json.loads(line[2:]) for line in out.stdout.splitlines() if line.startswith("@@")]
+    if out.returncode or not rows:
+        raise RuntimeError(f"{' '.join(cmd)} failed (exit {out.returncode}):\n{out.stdout[-3000:]}")
+    return rows[-1]
+
+
+def trajectories(args: argparse.Namespace) -> dict[str, Any]:
+    """shardvmc's trajectory on each device count of ``--trajectory``, against the first: largest differences."""
+    import numpy as np
+
+    counts = [int(n) for n in args.trajectory.split(",") if n]
+    result: dict[str, Any] = {"walkers": args.trajectory_walkers, "steps": args.trajectory_steps, "runs": {}}
+    # natural gradient (shardvmc.optax) masks padding walkers; shardvmc.kfac refuses walkers the devices do not
+    # split evenly (kfac-jax's curvature cannot mask them): a smoke run checks the first only
+    for optimiser in ("sr",) if args.smoke else ("sr", "kfac"):
+        runs = {n: run_child("--trajectory-child", n, args, "--optimiser", optimiser) for n in counts}
+        base = runs[counts[0]]
+        table = {}
+        for n, got in runs.items():
+            if "error" in got:
+                table[n] = {"error": got["error"]}
+                continue
+            table[n] = {
+                "energy_max_diff": float(np.max(np.abs(np.subtract(got["energies"], base["energies"])))),
+                "params_max_diff": float(np.max(np.abs(np.subtract(got["params"], base["params"])))),
+                "final_energy": got["energies"][-1],
+            }
+        result["runs"][optimiser] = table
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        return worker(args)
+    if args.child:
+        return child(args)
+    if args.trajectory_child:
+        return trajectory_child(args)
+    started = time.perf_counter()
+    rows = [run_child("--child", int(n), args) for n in args.devices.split(",")]
+    traj = trajectories(args) if args.trajectory else None
+    lines = user_lines(HERE)
+    report(rows, traj, lines, args)
+    print(f"\n(total {time.perf_counter() - started:.0f} s)")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"rows": rows, "trajectory": traj, "lines": lines}, indent=1))
+    return 0
+
+
+def report(rows: list[dict], traj: dict | None, lines: dict[str, int], args: argparse.Namespace) -> None:
+    print(f"# {MOLECULE}, {args.walkers} walkers, DeepQMC's default ansatz scaled down ({ANSATZ}), float32")
+    for row in rows:
+        dq = row.get("deepqmc")
+        if dq:
+            print(f"# {row['devices']} devices: DeepQMC side {dq['versions']}; same ansatz: log|psi| differs by "
+                  f"{row['same_ansatz_max_diff']:.2e}; walkers per device {dq.get('walkers_per_device')}")  # fmt: skip
+            if dq.get("error"):
+                print(f"# DeepQMC's training does not run in {args.deepqmc_python}: {dq['error']}")
+    print()
+    print("| devices | step time shardvmc / DeepQMC | step (ms) sv / dq | first step (s) sv / dq | E sv | E dq "
+          "| peak RSS (MiB) sv / dq |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|")
+    for row in rows:
+        sv_, dq = row["shardvmc"], row.get("deepqmc") or {}
+        e_sv = f"{sv_['energy']['mean']:.4f} ± {sv_['energy']['error']:.4f}"
+        e_dq = f"{dq['energy']['mean']:.4f} ± {dq['energy']['error']:.4f}" if "energy" in dq else "-"
+        step_dq = f"{dq['step_ms']:.0f}" if "step_ms" in dq else "-"
+        first_dq = f"{dq['first_step_s']:.1f}" if dq.get("first_step_s") else "-"
+        print(f"| {row['devices']} | {fmt_ratio(row.get('ratio'))} | {sv_['step_ms']:.0f} / {step_dq} | "
+              f"{sv_['first_step_s']:.1f} / {first_dq} | {e_sv} | {e_dq} | {sv_['peak_rss_mib']:.0f} / "
+              f"{dq.get('peak_rss_mib', 0):.0f} |")  # fmt: skip
+    print()
+    print("| devices | piece | shardvmc / DeepQMC | ms sv / dq |")
+    print("|---|---|---|---|")
+    for row in rows:
+        for name, p in row["pieces"].items():
+            dq_ms = f"{p['deepqmc_ms']:.1f}" if "deepqmc_ms" in p else "-"
+            print(f"| {row['devices']} | {name} | {fmt_ratio(p.get('ratio'))} | {p['shardvmc_ms']:.1f} / {dq_ms} |")
+    if traj:
+        print(f"\nshardvmc's trajectory, {traj['walkers']} walkers, {traj['steps']} steps, against the first count:")
+        for optimiser, table in traj["runs"].items():
+            for n, t in table.items():
+                what = t.get("error") or (f"energies differ by {t['energy_max_diff']:.2e}, parameters by "
+                                          f"{t['params_max_diff']:.2e}")  # fmt: skip
+                print(f"  {optimiser}, {n} devices: {what}")
+    print(f"\nlines of user code (the ansatz's config counted for both): {lines}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
