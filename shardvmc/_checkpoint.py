@@ -18,7 +18,6 @@ import hashlib
 import json
 import os
 import threading
-import warnings
 import weakref
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -31,7 +30,7 @@ from jax.core import Tracer
 from jax.sharding import Mesh, NamedSharding
 
 from . import _checksum, _compat, _npz, _orbax_compat
-from ._errors import CallError, CheckpointNotFoundError, DamagedCheckpointError, message, user_stacklevel
+from ._errors import CallError, CheckpointNotFoundError, DamagedCheckpointError, message, warn_at_user
 from ._mesh import get_replicated_sharding, get_walker_sharding, walker_mesh
 from ._placement import pad_n_walkers
 from ._walkerset import WalkerSet, check_n_valid, split_walker_set, walker_count
@@ -739,12 +738,10 @@ def _restore_kept(
 def _warn_skipped(where: str, directory: Path, skipped: list[tuple[int, CallError]], restored: int) -> None:
     reasons = "".join(f"\n  step {s}: {str(err).splitlines()[0]}" for s, err in skipped)
     steps = ", ".join(str(s) for s, _ in skipped)
-    warnings.warn(
-        DamagedCheckpointWarning(
-            f"{where}: skipped the damaged step(s) {steps} of {str(directory)!r} and restored step {restored}, "
-            f"the newest intact one:{reasons}"
-        ),
-        stacklevel=user_stacklevel(),
+    warn_at_user(
+        f"{where}: skipped the damaged step(s) {steps} of {str(directory)!r} and restored step {restored}, "
+        f"the newest intact one:{reasons}",
+        DamagedCheckpointWarning,
     )
 
 

@@ -25,6 +25,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, NamedSharding
 
 __all__ = ["checksum", "differs", "host_checksum", "row_checksums"]
 
@@ -66,9 +67,24 @@ def _words(x: jax.Array) -> jax.Array:
     return words.reshape(x.shape[0], -1)
 
 
-@jax.jit
+def _own_mesh(x: Any) -> Any:
+    """A mesh context of the devices holding ``x``: checkpoints are saved and restored eagerly under any context mesh
+    (another library's global one, of Explicit axes), which the checksums' programs must not meet."""
+    sharding = getattr(x, "sharding", None)
+    if isinstance(sharding, NamedSharding):
+        return jax.set_mesh(sharding.mesh)
+    device = next(iter(x.devices())) if isinstance(x, jax.Array) else jax.devices()[0]
+    return jax.set_mesh(Mesh(np.array([device]), ("checksum",)))
+
+
 def row_checksums(x: jax.Array) -> jax.Array:
     """The ``(rows, 2)`` uint32 checksums of the rows of ``x`` (along its first axis), sharded as its rows."""
+    with _own_mesh(x):
+        return _rows(x)
+
+
+@jax.jit
+def _rows(x: jax.Array) -> jax.Array:
     return _lanes(_words(x))
 
 
@@ -77,7 +93,9 @@ def checksum(x: jax.Array) -> jax.Array:
 
     A replicated array is checked once, on this process's first copy, not once per device.
     """
-    return _whole(x.addressable_data(0) if isinstance(x, jax.Array) else x)
+    x = x.addressable_data(0) if isinstance(x, jax.Array) else jnp.asarray(x)
+    with _own_mesh(x):
+        return _whole(x)
 
 
 @jax.jit
@@ -89,24 +107,26 @@ def host_checksum(x: np.ndarray) -> np.ndarray:
     """The ``(2,)`` uint32 checksum of host data ``x`` as a whole, in its own dtype (whatever x64 says)."""
     data = np.ascontiguousarray(x).reshape(-1).view(np.uint8)
     data = np.concatenate([data, np.zeros(-data.size % 4, np.uint8)]).view(np.uint32)
-    return np.asarray(_whole(jnp.asarray(data)))
+    return np.asarray(checksum(jnp.asarray(data)))
 
 
 @jax.jit
 def _rows_differ(x: jax.Array, stored: jax.Array, stored_rows: jax.Array) -> jax.Array:
-    wrong = jnp.any(row_checksums(x) != stored, axis=1)
+    wrong = jnp.any(_lanes(_words(x)) != stored, axis=1)
     return jnp.any(wrong & (jnp.arange(x.shape[0]) < stored_rows))
 
 
 def differs(x: Any, stored: Any, stored_rows: int | None = None) -> Any:
-    """Whether ``x`` differs from its ``stored`` checksum(s): a device bool for device data, a bool for host data.
+    """Whether ``x`` differs from its ``stored`` checksum(s).
 
     With ``stored_rows``, ``x`` is checked row by row against ``(rows, 2)`` checksums, its first
-    ``stored_rows`` rows only: rows past them are rows a restore onto more walkers added (zeros, not
-    stored data). Device results are fetched together, in one transfer, by the caller.
+    ``stored_rows`` rows only (rows past them are rows a restore onto more walkers added: zeros, not
+    stored data), and the answer is a device bool, fetched with the others by the caller. A whole
+    array's two words are compared on the host.
     """
     if isinstance(x, np.ndarray):
         return not np.array_equal(host_checksum(x), np.asarray(stored).reshape(2))
     if stored_rows is None:  # (on the device the checksum is computed on)
-        return jnp.any(checksum(x) != (stored.addressable_data(0) if isinstance(stored, jax.Array) else stored))
-    return _rows_differ(x, stored, stored_rows)
+        return np.asarray(checksum(x) != np.asarray(stored).reshape(2)).any()
+    with _own_mesh(x):
+        return _rows_differ(x, stored, stored_rows)

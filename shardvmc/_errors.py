@@ -1,9 +1,12 @@
-"""The two exception classes of shardvmc and the one message format they share."""
+"""shardvmc's exception classes, the one message format they share, and warnings attributed to the user's line."""
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import sys
-from pathlib import Path
+import warnings
+from types import FrameType
 from typing import Any
 
 import jax
@@ -19,10 +22,9 @@ __all__ = [
     "UnhashableStaticError",
     "describe",
     "message",
-    "user_stacklevel",
+    "user_frame",
+    "warn_at_user",
 ]
-
-_PACKAGE = str(Path(__file__).resolve().parent)
 
 
 class ShardvmcError(Exception):
@@ -108,15 +110,44 @@ def describe(tree: Any) -> str:
     return str(jax.tree_util.tree_map(one, tree))
 
 
-def user_stacklevel() -> int:
-    """The ``stacklevel`` of ``warnings.warn``, called here, that names the user's line: the first outside shardvmc.
+def _package_dirs(*names: str) -> tuple[str, ...]:
+    dirs = []
+    for name in names:
+        found = importlib.util.find_spec(name)
+        if found is not None:
+            dirs += [os.path.join(d, "") for d in found.submodule_search_locations or ()]
+    return tuple(dirs)
 
-    Frames of shardvmc's own modules (and of JAX's, where a warning is raised while a user's
-    function traces) are skipped, so a warning names the call in the user's code.
+
+# The code between a user's call and a warning about it: shardvmc's, and JAX's (a kernel warns while its
+# jax.jit traces, also inside the user's own jax.jit, grad, scan...). Frames of these files are not the user's.
+_INTERNAL_DIRS = (os.path.join(os.path.dirname(os.path.abspath(__file__)), ""), *_package_dirs("jax", "jaxlib"))
+
+
+def user_frame() -> FrameType | None:
+    """The innermost frame outside shardvmc and JAX: the user's line that called into shardvmc.
+
+    ``warnings.warn(skip_file_prefixes=...)`` does this on Python 3.12+; shardvmc supports 3.11.
+    ``None`` when every frame is internal.
     """
-    frame, level = sys._getframe(1), 1
-    while frame is not None and (
-        frame.f_code.co_filename.startswith(_PACKAGE) or frame.f_globals.get("__name__", "").startswith("jax")
-    ):
-        frame, level = frame.f_back, level + 1
-    return level
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_INTERNAL_DIRS):
+        frame = frame.f_back
+    return frame
+
+
+def warn_at_user(text: str, category: type[Warning]) -> None:
+    """``warnings.warn(text, category)`` attributed to the user's line (:func:`user_frame`), with its filters."""
+    frame = user_frame()
+    if frame is None:
+        warnings.warn(text, category, stacklevel=2)
+        return
+    globals_ = frame.f_globals
+    warnings.warn_explicit(
+        text,
+        category,
+        filename=frame.f_code.co_filename,
+        lineno=frame.f_lineno,
+        module=globals_.get("__name__", "<unknown>"),
+        registry=globals_.setdefault("__warningregistry__", {}),  # the "default" action: once per line, as warn's
+    )  # (no module_globals: on Python 3.13 a script's, without __spec__, makes importlib warn DeprecationWarning)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-import warnings
 import weakref
 from typing import TYPE_CHECKING, Any
 
@@ -21,7 +20,7 @@ import numpy as np
 from jax.core import Tracer
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from ._errors import CallError, message
+from ._errors import CallError, message, warn_at_user
 from ._kernel import spec as spec_of
 from ._markers import Kind
 from ._memory import compiled_memory, format_bytes
@@ -390,7 +389,7 @@ def explain(
     if unexpected and warn_key not in _warned:
         _warned.add(warn_key)
         found = ", ".join(f"{v} {k}{'s' if v != 1 else ''}" for k, v in unexpected.items())
-        warnings.warn(
+        warn_at_user(
             message(
                 spec.qualname,
                 f"the compiled kernel holds {found}, which no marker asks for (shardvmc places only all-reduces), "
@@ -399,6 +398,5 @@ def explain(
                 fix=fix,
             ),
             CommunicationWarning,
-            stacklevel=3,
         )
     return explanation

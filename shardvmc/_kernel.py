@@ -11,12 +11,7 @@ output over the valid walkers with one all-reduce, and un-pads.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
-import os
-import sys
-import warnings
 from collections.abc import Callable, Iterator
-from types import FrameType
 from typing import Any
 
 import chex
@@ -27,7 +22,7 @@ from jax.core import Tracer
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from . import _compat
-from ._errors import CallError, describe, message
+from ._errors import CallError, describe, message, warn_at_user
 from ._markers import Kind, Layout, Param
 from ._mesh import traced_mesh_error
 from ._placement import pad_n_walkers, pad_walker
@@ -51,8 +46,6 @@ __all__ = [
     "raised_in_body",
     "signature_of",
     "spec",
-    "user_frame",
-    "warn_at_user",
 ]
 
 LOCAL_AXIS = "_shardvmc_walker"
@@ -67,49 +60,6 @@ BODY_NOTE = "shardvmc: raised in the body of walker-parallel kernel"
 
 class PaddingWarning(UserWarning):
     """A walker count the mesh does not divide was padded inside the kernel."""
-
-
-def _package_dirs(*names: str) -> tuple[str, ...]:
-    dirs = []
-    for name in names:
-        found = importlib.util.find_spec(name)
-        if found is not None:
-            dirs += [os.path.join(d, "") for d in found.submodule_search_locations or ()]
-    return tuple(dirs)
-
-
-# The code between a user's call and a warning about it: shardvmc's, and JAX's (a kernel warns while its
-# jax.jit traces, also inside the user's own jax.jit, grad, scan...). Frames of these files are not the user's.
-_INTERNAL_DIRS = (os.path.join(os.path.dirname(os.path.abspath(__file__)), ""), *_package_dirs("jax", "jaxlib"))
-
-
-def user_frame() -> FrameType | None:
-    """The innermost frame outside shardvmc and JAX: the user's line that called into shardvmc.
-
-    ``warnings.warn(skip_file_prefixes=...)`` does this on Python 3.12+; shardvmc supports 3.11.
-    ``None`` when every frame is internal.
-    """
-    frame: FrameType | None = sys._getframe(1)
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_INTERNAL_DIRS):
-        frame = frame.f_back
-    return frame
-
-
-def warn_at_user(text: str, category: type[Warning]) -> None:
-    """``warnings.warn(text, category)`` attributed to the user's line (:func:`user_frame`), with its filters."""
-    frame = user_frame()
-    if frame is None:
-        warnings.warn(text, category, stacklevel=2)
-        return
-    globals_ = frame.f_globals
-    warnings.warn_explicit(
-        text,
-        category,
-        filename=frame.f_code.co_filename,
-        lineno=frame.f_lineno,
-        module=globals_.get("__name__", "<unknown>"),
-        registry=globals_.setdefault("__warningregistry__", {}),  # the "default" action: once per line, as warn's
-    )  # (no module_globals: on Python 3.13 a script's, without __spec__, makes importlib warn DeprecationWarning)
 
 
 def inside_kernel() -> str | None:

@@ -31,7 +31,6 @@ data files without checksums. shardvmc checks the arrays' data with its own chec
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import sys
 import threading
@@ -46,16 +45,20 @@ _LOCK = threading.Lock()
 _INSTALLED = False
 
 
-@functools.cache
+_MANAGER: list[Any] = []  # the class, made at the first use (orbax-checkpoint is an optional dependency)
+
+
 def manager_class() -> Any:
     """orbax's ``CheckpointManager``, except that it never consults JAX's preemption sync point (see above)."""
-    import orbax.checkpoint as ocp
+    if not _MANAGER:
+        import orbax.checkpoint as ocp
 
-    class Manager(ocp.CheckpointManager):
-        def reached_preemption(self, step: int) -> bool:
-            return False  # only the training loop's sv.distributed.reached_preemption moves JAX's sync point
+        class Manager(ocp.CheckpointManager):
+            def reached_preemption(self, step: int) -> bool:
+                return False  # only the training loop's sv.distributed.reached_preemption moves JAX's sync point
 
-    return Manager
+        _MANAGER.append(Manager)
+    return _MANAGER[0]
 
 
 def check_index(arrays: Path) -> None:

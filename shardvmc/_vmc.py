@@ -24,9 +24,10 @@ from ._caches import bounded
 from ._decorator import WalkerParallel, walker_parallel
 from ._driver import run
 from ._errors import CallError, message
+from ._internals import tracing
 from ._markers import Mean, PerWalker, Replicated
 from ._mcstats import Stats, StatsAccumulator
-from ._mesh import use_mesh
+from ._mesh import entered_mesh, use_mesh
 from ._placement import replicate
 from ._reductions import walker_mean
 from ._walkerset import WalkerSet
@@ -162,7 +163,10 @@ class VMC:
         sharding = getattr(leaf, "sharding", None)
         mesh = sharding.mesh if isinstance(sharding, NamedSharding) and isinstance(sharding.mesh, Mesh) else self.mesh
         params = replicate(params, mesh)
-        opt = replicate(self.optimiser.init(params), mesh)
+        # (eagerly, on the walkers' mesh: under a context mesh of other devices the optimiser's own
+        # computations would meet arrays of another mesh; the step then names the mismatch)
+        with entered_mesh(None if tracing() or mesh is None else mesh):
+            opt = replicate(self.optimiser.init(params), mesh)
         assert self.sampler is not None
         return VMCState(params, opt, self.sampler.init(params, walkers, width))
 

@@ -514,8 +514,8 @@ def _say_consequences(say: Callable[[str], None], output: _Output, cause: int, c
     if noisy:
         which = ", ".join(str(i) for i in noisy)
         say(
-            f"left out {sum(output.left_out)} lines of JAX runtime messages that process(es) {which} wrote after "
-            f"process {cause} failed (--verbose shows them)."
+            f"left out {sum(output.left_out)} lines JAX's runtime wrote in process(es) {which} after process "
+            f"{cause} failed (--verbose)."
         )
 
 

@@ -13,6 +13,7 @@ import subprocess
 import sys
 
 import pytest
+from optional_imports import unusable
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NONE = {"all-gather": 0, "all-reduce": 0, "all-to-all": 0, "collective-permute": 0, "reduce-scatter": 0}
@@ -168,6 +169,8 @@ def test_deepqmc_comparison_runs_its_shardvmc_side_without_deepqmc(tmp_path):
     # --smoke runs shardvmc's side of benchmarks/deepqmc.py alone (the examples' network of LiH standing in for
     # DeepQMC's ansatz), KFAC on 16 walkers over the 8 fake devices, then its trajectory with natural gradient on
     # 1 and 3 devices for 13 walkers (padded on 3 devices and, in a real run, on 8).
+    if (reason := unusable("kfac_jax")) is not None:  # its shardvmc side trains with shardvmc.kfac
+        pytest.skip(f"benchmarks/deepqmc.py --smoke: {reason}")
     stdout, data = _run("deepqmc.py", "--smoke", tmp_path=tmp_path, timeout=1200)
     (row,) = data["rows"]
     side = row["shardvmc"]
