@@ -71,7 +71,7 @@ def _own_mesh(x: Any) -> Any:
     """A mesh context of the devices holding ``x``: checkpoints are saved and restored eagerly under any context mesh
     (another library's global one, of Explicit axes), which the checksums' programs must not meet."""
     sharding = getattr(x, "sharding", None)
-    if isinstance(sharding, NamedSharding):
+    if isinstance(sharding, NamedSharding) and isinstance(sharding.mesh, Mesh):
         return jax.set_mesh(sharding.mesh)
     device = next(iter(x.devices())) if isinstance(x, jax.Array) else jax.devices()[0]
     return jax.set_mesh(Mesh(np.array([device]), ("checksum",)))
