@@ -104,7 +104,7 @@ def sizes_for(args: argparse.Namespace, smoke: bool) -> Sizes:
             solvers=[("scaled down", 32, 96, "float64")],
             neural_walkers=counts(args.neural_walkers, [16]),
             neural_quick=True,
-            neural_steps=("optimisation",),
+            neural_steps=("optimisation", "evaluation"),
             tiny_walkers=16,
             tiny_calls=5,
             reps=3,
@@ -374,6 +374,28 @@ def solver_rows(guard: Guard, mesh: Any, sizes: Sizes) -> None:
 # ----------------------------------------------------------------------------- 10. the neural step
 
 
+def evaluation_step(neural: Any, config: Any, mesh: Any) -> Callable[..., Any]:
+    """One step of ``sv.driver.expect``'s evaluation: moves at fixed parameters, then every walker's local energy."""
+    import jax
+    import jax.numpy as jnp
+
+    import shardvmc as sv
+
+    sampler = neural.make_sampler(config, mesh)
+    energy_of_one = neural.energy_of(config.system)
+
+    @sv.walker_parallel(mesh=mesh, batch_size=config.batch_size)
+    def energy(params: sv.Replicated[Any], r: sv.PerWalker[jax.Array]) -> sv.Mean[jax.Array]:
+        return energy_of_one(params, r)
+
+    @jax.jit
+    def evaluate(state: Any, key: jax.Array) -> tuple[Any, jax.Array]:
+        walkers = sampler.step(state.params, state.sampler, key, refresh=False)
+        return state._replace(sampler=walkers), jnp.stack([energy(state.params, walkers.positions), walkers.acceptance])
+
+    return evaluate
+
+
 def neural_rows(guard: Guard, mesh: Any, sizes: Sizes, optimiser: str) -> None:
     """The neural workload's optimisation and evaluation steps, timed, and their memory."""
     import jax
@@ -392,9 +414,10 @@ def neural_rows(guard: Guard, mesh: Any, sizes: Sizes, optimiser: str) -> None:
         def run(config: Any = config, n: int = n, what: str = what) -> None:
             with jax.enable_x64(True), sv.use_mesh(mesh):
                 steps = neural.make_steps(config, mesh)
-                state = neural.initial_state(config, mesh, steps)  # includes the burn-in's evaluation steps
+                state = neural.initial_state(config, mesh, steps)  # includes the burn-in's moves
                 n_params = int(ravel_pytree(state.params)[0].size)
-                for name, step, extra in (("optimisation", steps.train, ()), ("evaluation", steps.evaluate, ())):
+                evaluate = evaluation_step(neural, config, mesh)
+                for name, step, extra in (("optimisation", steps.train, ()), ("evaluation", evaluate, ())):
                     if name not in sizes.neural_steps:
                         continue
                     start = time.perf_counter()

@@ -126,7 +126,7 @@ def differs(x: Any, stored: Any, stored_rows: int | None = None) -> Any:
     """
     if isinstance(x, np.ndarray):
         return not np.array_equal(host_checksum(x), np.asarray(stored).reshape(2))
-    if stored_rows is None:  # (on the device the checksum is computed on)
-        return np.asarray(checksum(x) != np.asarray(stored).reshape(2)).any()
+    if stored_rows is None:  # two words, compared on the host: not under the caller's context mesh
+        return not np.array_equal(np.asarray(checksum(x)), np.asarray(stored).reshape(2))
     with _own_mesh(x):
         return _rows_differ(x, stored, stored_rows)

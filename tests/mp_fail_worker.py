@@ -28,48 +28,57 @@ import re
 import sys
 import time
 
-how, peer = sys.argv[1:3]
-if how == "ok":
-    atexit.register(lambda: print(f"left the barrier at {time.time()!r}", flush=True))
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-from jax.experimental import multihost_utils  # noqa: E402
+def main() -> None:  # not at import: pytest's doctest collection imports every module of tests/
+    # an exit handler registered before JAX is imported runs after JAX's (``ok``: after the shutdown barrier)
+    how, peer = sys.argv[1:3]
+    if how == "ok":
+        atexit.register(lambda: print(f"left the barrier at {time.time()!r}", flush=True))
 
-import shardvmc as sv  # noqa: E402
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import multihost_utils
 
-heartbeat = os.environ.get("MP_FAIL_WORKER_HEARTBEAT_S")  # benchmarks/failfast.py --hold: another timeout
-sv.distributed.initialize(**({"heartbeat_timeout_seconds": int(heartbeat)} if heartbeat else {}))
-me = jax.process_index()
-x = multihost_utils.process_allgather(jnp.arange(4.0).sum())  # a collective: every process got here
-print(f"ready {os.getpid()} {x.tolist()}", flush=True)
+    import shardvmc as sv
 
-if how == "hold":  # hold the interpreter lock in one call for PEER seconds or more, then meet the others
-    t, n = time.monotonic(), 18
-    re.match(r"(a+)+$", "a" * n + "b")  # backtracks: twice the time for each "a" more, never releasing the lock
-    n += max(0, math.ceil(math.log2(float(peer) / max(time.monotonic() - t, 1e-3))))
-    t = time.monotonic()
-    re.match(r"(a+)+$", "a" * n + "b")
-    held = time.monotonic() - t
-    print(f"held the interpreter lock for {held:.1f} s; {multihost_utils.process_allgather(x).tolist()}", flush=True)
-    sys.exit(0)
+    heartbeat = os.environ.get("MP_FAIL_WORKER_HEARTBEAT_S")  # benchmarks/failfast.py --hold: another timeout
+    sv.distributed.initialize(**({"heartbeat_timeout_seconds": int(heartbeat)} if heartbeat else {}))
+    me = jax.process_index()
+    x = multihost_utils.process_allgather(jnp.arange(4.0).sum())  # a collective: every process got here
+    print(f"ready {os.getpid()} {x.tolist()}", flush=True)
 
-failing = 0 if how == "coordinator" else 1
-if me == failing and how in ("exit", "raise", "coordinator"):
-    if len(sys.argv) > 3:  # a file the program leaves open and unflushed, as a log often is
-        log = open(sys.argv[3], "w")
-        log.write("written before the failure\n")
-    print(f"failing at {time.time()!r}", flush=True)
-    if how == "raise":
-        raise RuntimeError(f"process {me} fails")
-    sys.exit(3)
-if how == "ok":
-    time.sleep(3 if me == 0 else 0)
-    print(f"finished at {time.time()!r}", flush=True)
-elif peer == "sleep" or me == failing:
-    time.sleep(600)
-else:
-    y = jnp.ones((64, 64))
-    while True:  # computes until it is ended: a Python loop and small local JAX computations
-        y = (y @ y / 64.0).block_until_ready()
-        sum(i * i for i in range(10_000))
+    if how == "hold":  # hold the interpreter lock in one call for PEER seconds or more, then meet the others
+        t, n = time.monotonic(), 18
+        re.match(r"(a+)+$", "a" * n + "b")  # backtracks: twice the time for each "a" more, never releasing the lock
+        n += max(0, math.ceil(math.log2(float(peer) / max(time.monotonic() - t, 1e-3))))
+        t = time.monotonic()
+        re.match(r"(a+)+$", "a" * n + "b")
+        held = time.monotonic() - t
+        print(
+            f"held the interpreter lock for {held:.1f} s; {multihost_utils.process_allgather(x).tolist()}", flush=True
+        )
+        sys.exit(0)
+
+    failing = 0 if how == "coordinator" else 1
+    if me == failing and how in ("exit", "raise", "coordinator"):
+        if len(sys.argv) > 3:  # a file the program leaves open and unflushed, as a log often is
+            log = open(sys.argv[3], "w")
+            log.write("written before the failure\n")
+        print(f"failing at {time.time()!r}", flush=True)
+        if how == "raise":
+            raise RuntimeError(f"process {me} fails")
+        sys.exit(3)
+    if how == "ok":
+        time.sleep(3 if me == 0 else 0)
+        print(f"finished at {time.time()!r}", flush=True)
+    elif peer == "sleep" or me == failing:
+        time.sleep(600)
+    else:
+        y = jnp.ones((64, 64))
+        while True:  # computes until it is ended: a Python loop and small local JAX computations
+            y = (y @ y / 64.0).block_until_ready()
+            sum(i * i for i in range(10_000))
+
+
+if __name__ == "__main__":
+    main()
