@@ -107,7 +107,9 @@ def _laplacian_and_gradient(
         grad = out.jacobian.dense_array
         # folx puts the input axis first in the dense Jacobian: (d,) or (d, 2)
         return out.laplacian, grad
-    grad_f = jax.jacrev(f)  # (2, d) or (d,)
+    # jax.grad for a scalar f: jacrev's vmap over a single cotangent made the JVP loop 1.6 times slower
+    # (benchmarks/RESULTS.md, "its JVP-loop Laplacian"); jacrev for the (Re, Im) pair of a complex log psi
+    grad_f = jax.grad(f) if jax.eval_shape(f, x).shape == () else jax.jacrev(f)  # (d,) or (2, d)
     grad, grad_jvp = jax.linearize(grad_f, x)
     eye = jnp.eye(x.shape[0], dtype=x.dtype)
     zero = jnp.zeros(grad.shape[:-1], x.dtype)

@@ -38,6 +38,7 @@ def quick(tmp_path_factory):
     return _run("run.py", "--quick", tmp_path=tmp_path_factory.mktemp("bench"))
 
 
+@pytest.mark.end_to_end  # benchmarks/run.py's smoke table: once, on CI's first leg
 def test_prints_one_table_with_every_section(quick):
     stdout, data = quick
     assert "| # | measurement | figure | goal | met |" in stdout
@@ -47,6 +48,7 @@ def test_prints_one_table_with_every_section(quick):
     assert ratios and all(float(fig.split()[0]) > 0 for fig in ratios)
 
 
+@pytest.mark.end_to_end  # benchmarks/run.py's smoke table: once, on CI's first leg
 def test_decorated_kernels_compute_what_the_hand_written_ones_do(quick):
     facts = quick[1]["facts"]
     for output in ("walker", "mean", "ferminet"):
@@ -59,6 +61,7 @@ def test_decorated_kernels_compute_what_the_hand_written_ones_do(quick):
     assert facts["jtj_rel_diff"] < 1e-5
 
 
+@pytest.mark.end_to_end  # benchmarks/run.py's smoke table: once, on CI's first leg
 def test_per_walker_outputs_move_nothing_and_reductions_are_one_all_reduce(quick):
     comm = quick[1]["facts"]["collectives"]
     per_walker = [k for k in comm if k.startswith("per-walker")]
@@ -74,12 +77,14 @@ def test_per_walker_outputs_move_nothing_and_reductions_are_one_all_reduce(quick
         assert quick[1]["facts"]["output_spec_pytc"][name] == "P('walkers',)"
 
 
+@pytest.mark.end_to_end  # benchmarks/run.py's smoke table: once, on CI's first leg
 def test_batch_size_bounds_compiled_memory(quick):
     memory = quick[1]["facts"]["memory"]
     assert memory["None"] > memory["64"] > memory["16"] > 0
     assert memory["16"] <= memory["None"] / 8
 
 
+@pytest.mark.end_to_end  # benchmarks/run.py's smoke table: once, on CI's first leg
 def test_padding_is_masked_and_a_padded_set_communicates_like_a_full_one(quick):
     padding = quick[1]["facts"]["padding"]
     assert padding["internal_vs_reference"] < 1e-4
@@ -94,6 +99,7 @@ def test_padding_is_masked_and_a_padded_set_communicates_like_a_full_one(quick):
     assert walker_internal == dict(NONE, **{"all-gather": 1}), "only the un-padded output may be gathered"
 
 
+@pytest.mark.end_to_end  # benchmarks/run.py's smoke table: once, on CI's first leg
 def test_metropolis_loop_traces_and_compiles_each_kernel_once(quick):
     loop = quick[1]["facts"]["loop"]
     assert loop["traces"] == {"log_prob": 1, "mcmc_step": 1, "energy": 1}

@@ -48,6 +48,7 @@ import pytest
 
 import shardvmc as sv
 
+pytestmark = pytest.mark.end_to_end  # CI's second leg leaves it out (pyproject.toml's markers)
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "chaos_worker.py"
 # Seed 4 puts each kind of fault in a run of two processes (kill by SIGKILL of process 1; SIGTERM of both; an exception

@@ -34,9 +34,6 @@ import shardvmc as sv
 N_WALKERS = 13  # divisible by none of the mesh sizes 3 and 8: the kernels pad
 RTOL = 1e-10
 F64, F32 = "float64", "float32"
-# The single-device references are compiled without XLA's expensive passes: a third less compile
-# time, the same arithmetic. The kernels under test are compiled as users get them.
-FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,7 +104,7 @@ def reference(name: str, method: str, dtype: str) -> dict[str, np.ndarray]:
         return {"lap": lap, "grad": grad, "energy": energy}
 
     with x64(dtype):
-        out = jax.jit(jax.vmap(one, (None, 0)), compiler_options=FAST_COMPILE)(params, walkers)
+        out = jax.jit(jax.vmap(one, (None, 0)))(params, walkers)
     return jax.tree.map(np.asarray, out)
 
 
@@ -118,7 +115,7 @@ def param_gradients(name: str, dtype: str) -> np.ndarray:
     params, walkers = inputs(name, dtype)
     with x64(dtype):
         grads = jax.vmap(lambda p, r: ravel_pytree(jax.grad(model.log_abs_psi)(p, r))[0], (None, 0))
-        out = jax.jit(grads, compiler_options=FAST_COMPILE)(params, walkers)
+        out = jax.jit(grads)(params, walkers)
     return np.asarray(out)
 
 
@@ -188,7 +185,7 @@ def test_exchanging_same_spin_electrons_flips_the_sign(name: str, system: system
         r = systems.init_walkers(jax.random.key(2), system, 1, jnp.float64)[0]
         i, j = pair
         swapped = r.at[jnp.array([i, j])].set(r[jnp.array([j, i])])
-        signed = jax.jit(jax.vmap(lambda r: module.signed_log_psi(params, r, system)), compiler_options=FAST_COMPILE)
+        signed = jax.jit(jax.vmap(lambda r: module.signed_log_psi(params, r, system)))
         (sign, sign_swapped), (log_abs, log_abs_swapped) = signed(jnp.stack([r, swapped]))
     assert float(sign_swapped) == -float(sign) != 0
     np.testing.assert_allclose(log_abs_swapped, log_abs, rtol=1e-12)

@@ -15,6 +15,7 @@ import pytest
 
 import shardvmc as sv
 
+pytestmark = pytest.mark.end_to_end  # CI's second leg leaves it out (pyproject.toml's markers)
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "helium_vmc.py"
 # Small settings: 301 walkers (padded by the library to 304 on 8 devices), 20 SR steps.
 SMALL = {"walkers": 301, "steps": 20, "eval_steps": 32, "seed": 1}

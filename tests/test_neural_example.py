@@ -23,6 +23,7 @@ import shardvmc as sv
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 EXAMPLE = EXAMPLES / "neural_vmc.py"
+pytestmark = pytest.mark.end_to_end  # CI's second leg leaves it out (pyproject.toml's markers)
 COPIED = ("neural_vmc.py", "kfac_vmc.py", "network.py", "plumbing.py")  # what a researcher copies
 
 
