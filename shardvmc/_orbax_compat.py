@@ -24,16 +24,22 @@ data files without checksums. shardvmc checks the arrays' data with its own chec
   ``DamagedCheckpointError``); these echoes of it are dropped, and nothing else: the log
   filter and the unraisable hook drop only what names a directory whose read failed, and
   the hook that ``RuntimeError`` raised by asyncio's ``call_soon_threadsafe`` called
-  directly from outside Python, once a read has failed.
-  Both are installed once, at the first read, and pass everything else on.
+  directly from outside Python, once a read has failed. The reads orbax had not started yet
+  are coroutines that are never awaited: Python warns of each when it is collected
+  (``RuntimeWarning: coroutine '_read_array_index_and_device_put' was never awaited``, an
+  unraisable exception where warnings are errors); that warning of that one orbax
+  coroutine is ignored, and dropped by the hook once a read has failed.
+  They are installed once, at the first read, and pass everything else on.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import sys
 import threading
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -43,6 +49,8 @@ __all__ = ["check_index", "manager_class", "quiet_failed_reads"]
 _FAILED: set[str] = set()  # the directories whose read failed (their echoes are dropped)
 _LOCK = threading.Lock()
 _INSTALLED = False
+# Python's warning for orbax's reads that a failed read left unstarted (see above)
+_UNSTARTED = r"coroutine '_read_array_index_and_device_put' was never awaited"
 
 
 _MANAGER: list[Any] = []  # the class, made at the first use (orbax-checkpoint is an optional dependency)
@@ -90,7 +98,7 @@ def _is_echo(unraisable: Any) -> bool:
     exc, tb = unraisable.exc_value, unraisable.exc_traceback
     if not _FAILED or exc is None:
         return False
-    if _names_failed(str(exc)):
+    if _names_failed(str(exc)) or (isinstance(exc, RuntimeWarning) and re.match(_UNSTARTED, str(exc))):
         return True
     if not (isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed" and tb is not None):
         return False
@@ -105,6 +113,7 @@ def _install() -> None:
             return
         _INSTALLED = True
         logging.getLogger("asyncio").addFilter(_Echoes())
+        warnings.filterwarnings("ignore", message=_UNSTARTED, category=RuntimeWarning)
         previous = sys.unraisablehook
 
         def hook(unraisable: Any) -> None:

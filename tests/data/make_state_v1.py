@@ -31,7 +31,8 @@ def state(mesh: object) -> dict:
         return jax.random.bits(key, (2, 3), jnp.uint32).astype(jnp.float64) / 2.0**32 - 0.5
 
     walkers = sv.initialize_walkers_sharded(walker, N_VALID, mesh, key=jax.random.key(3))
-    params = sv.replicate({"w": jnp.linspace(-1.0, 1.0, 7), "b": jnp.float32(0.5)}, mesh)
+    # constants, not jnp.linspace: its values depend on XLA's optimisations (a fused multiply-add or not)
+    params = sv.replicate({"w": jnp.array([-1.0, -0.75, -0.5, 0.0, 0.25, 0.5, 1.0]), "b": jnp.float32(0.5)}, mesh)
     return {
         "walkers": walkers,
         "params": params,
