@@ -240,6 +240,33 @@ def _sum(body: Body, x: Any) -> Any:
     return reduce_blocks(row_sum, (x,), body.valid, body.axes)
 
 
+def _quantile(body: Body, x: jax.Array, q: float) -> jax.Array:
+    """``jnp.quantile(valid values, q)`` from inside a body: gathered in walker order, padding sorted last."""
+    x = jnp.asarray(x)
+    if x.ndim != (0 if body.mode == "walker" else 1):
+        raise CallError(
+            message(
+                "all_walkers.quantile",
+                "takes one scalar per walker.",
+                got=f"shape {x.shape} in a {'per-walker' if body.mode == 'walker' else 'batched'} body",
+                fix="pass a per-walker scalar (e.g. the local energy).",
+            )
+        )
+    valid = jnp.ones(x.shape, bool) if body.valid is None else jnp.broadcast_to(body.valid, x.shape)
+    # Invalid values go to the end of the sort (and NaN energies of valid walkers too, as jnp.sort puts them).
+    high = jnp.asarray(jnp.inf, x.dtype)
+    values = jnp.where(valid, x, high)
+    axes = body.axes
+    if body.mode == "walker":  # this device's walkers first (the vmap axis), then the devices' blocks in order
+        values, axes = jax.lax.all_gather(values, axes[0]), axes[1:]
+    values = jnp.sort(jax.lax.all_gather(values, axes, tiled=True) if axes else values)
+    position = jnp.asarray(q, values.dtype) * (jnp.asarray(body.count, values.dtype) - 1)
+    low = jnp.floor(position)
+    below = values[low.astype(jnp.int32)]
+    above = values[jnp.minimum(low.astype(jnp.int32) + 1, jnp.asarray(body.count, jnp.int32) - 1)]
+    return below + (position - low) * (above - below)
+
+
 class _AllWalkers:
     """Statistics over all valid walkers of all devices, callable inside a kernel's body.
 
@@ -275,6 +302,20 @@ class _AllWalkers:
     def count(self) -> jax.Array:
         """The number of valid walkers of all devices (an int32 scalar)."""
         return jnp.asarray(_body("count").count, jnp.int32)
+
+    def quantile(self, x: jax.Array, q: float) -> jax.Array:
+        """The ``q`` quantile of a per-walker scalar over the valid walkers of all devices.
+
+        ``jnp.quantile``'s default (linear) interpolation over exactly the valid values,
+        so the result does not depend on the device count. Every device gathers every
+        walker's value (one all-gather of one scalar per walker): meant for energies and
+        other scalars, as DeepQMC's clipping uses its median and quantiles.
+        """
+        return _quantile(_body("quantile"), x, q)
+
+    def median(self, x: jax.Array) -> jax.Array:
+        """The median of a per-walker scalar over the valid walkers of all devices (see :meth:`quantile`)."""
+        return _quantile(_body("median"), x, 0.5)
 
     def __repr__(self) -> str:
         return "shardvmc.all_walkers"

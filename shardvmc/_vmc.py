@@ -30,8 +30,10 @@ from ._mcstats import Stats, StatsAccumulator
 from ._mesh import entered_mesh, use_mesh
 from ._placement import replicate
 from ._reductions import walker_mean
+from ._stats import all_walkers
 from ._walkerset import WalkerSet
 from .hamiltonian import local_energy as hamiltonian_local_energy
+from .loss import Clipping
 from .mcmc import Metropolis, SamplerState, Walker
 
 __all__ = ["VMC", "VMCState", "expect"]
@@ -73,8 +75,19 @@ class VMC:
     (``sqrt(variance / walkers)``, the walkers being independent chains), ``variance``,
     ``acceptance``; over the valid walkers only.
 
-    ``log_psi`` returns a real ``log|psi|``; for a complex one, or another loss (KFAC with
-    FermiNet's loss), write the step yourself with the same protocol.
+    ``clipping`` (``sv.loss.ClipMAD()``, FermiNet's; ``sv.loss.ClipLogSqueeze()``,
+    DeepQMC's) clips the local energies the optimiser sees (``local_energies=`` and the
+    gradient), never the reported energy; a walker the clipping drops from the gradient
+    gets the clipped mean there (no pull on the parameters).
+
+    ``optimiser`` may also be :class:`shardvmc.kfac.KFAC` (or any object with a
+    ``vmc_optimizer(log_psi, local_energy, clipping, mesh)`` method returning an
+    optimiser with kfac-jax's ``init(params, key, batch)`` and ``step(params, state,
+    key, batch=)``): the step then samples and takes KFAC's step on the library's energy
+    loss (:func:`shardvmc.kfac.energy_loss`), any walker count.
+
+    ``log_psi`` returns a real ``log|psi|``; for a complex one, write the step yourself
+    with the same protocol.
 
     Args:
         log_psi: ``log_psi(params, r)`` of ONE walker (real).
@@ -86,6 +99,7 @@ class VMC:
         mesh: the mesh of the step's kernels and optimiser (``None``: resolved at each call, as a kernel's:
             the ``sv.use_mesh`` mesh, else all devices).
         batch_size: the measurement's walkers per device at a time (and the default sampler's).
+        clipping: the clipping of the local energies in the gradient (``sv.loss``), or ``None``.
 
     Raises:
         CallError: for both ``potential`` and ``local_energy``, or an optimiser that is not an optax
@@ -110,25 +124,29 @@ class VMC:
     sampler: Metropolis | None = None
     mesh: Mesh | None = None
     batch_size: int | str | None = None
+    clipping: Clipping | None = None
     step: Callable[..., Any] = dataclasses.field(init=False, repr=False)
     measure: WalkerParallel = dataclasses.field(init=False, repr=False)
     _update: Callable[..., Any] = dataclasses.field(init=False, repr=False)
+    _walker_optimiser: Any = dataclasses.field(init=False, repr=False, default=None)
 
     def __post_init__(self) -> None:
-        optax = _optax()
         where = "shardvmc.driver.VMC"
         if self.potential is not None and self.local_energy is not None:
             raise CallError(
                 message(where, "pass potential= or local_energy=, not both.", fix="put the potential in local_energy.")
             )
-        if not (callable(getattr(self.optimiser, "init", None)) and callable(getattr(self.optimiser, "update", None))):
+        computes_its_loss = callable(getattr(self.optimiser, "vmc_optimizer", None))
+        if not computes_its_loss and not (
+            callable(getattr(self.optimiser, "init", None)) and callable(getattr(self.optimiser, "update", None))
+        ):
             raise CallError(
                 message(
                     where,
-                    "optimiser must be an optax transformation (init, update).",
+                    "optimiser must be an optax transformation (init, update) or shardvmc.kfac.KFAC.",
                     got=repr(self.optimiser),
                     fix="pass e.g. optax.chain(svx.natural_gradient(damping=1e-3), optax.scale_by_learning_rate(0.05))"
-                    "; for shardvmc.kfac.Optimizer write the step yourself (see docs/driver.md).",
+                    ", or sv.kfac.KFAC() (see docs/driver.md).",
                 )
             )
         options = {"mesh": self.mesh, "batch_size": self.batch_size}
@@ -136,20 +154,28 @@ class VMC:
             object.__setattr__(self, "sampler", Metropolis(self.log_psi, **options))
         if self.local_energy is None:
             object.__setattr__(self, "local_energy", hamiltonian_local_energy(self.log_psi, self.potential))
-        energy, log_psi = self.local_energy, self.log_psi
+        energy, log_psi, clipping = self.local_energy, self.log_psi, self.clipping
         assert energy is not None
+        object.__setattr__(self, "step", jax.jit(self._step))
+        if computes_its_loss:  # KFAC: its loss measures and clips the energies itself
+            optimiser = self.optimiser.vmc_optimizer(log_psi, energy, clipping, self.mesh)
+            object.__setattr__(self, "_walker_optimiser", optimiser)
+            return
 
         def measure(
             params: Replicated[Any], w: PerWalker[Walker]
-        ) -> tuple[PerWalker[jax.Array], PerWalker[Any], Mean[jax.Array], Mean[jax.Array]]:
+        ) -> tuple[PerWalker[jax.Array], PerWalker[Any], Mean[jax.Array], Mean[jax.Array], Mean[jax.Array]]:
             e = energy(params, w.r)
-            return e, jax.grad(log_psi)(params, w.r), e, e * e
+            seen = e  # what the optimiser sees: the clipped energies
+            if clipping is not None:
+                clipped, keep = clipping(e)
+                seen = jax.lax.stop_gradient(jnp.where(keep, clipped, all_walkers.mean(clipped)))
+            return seen, jax.grad(log_psi)(params, w.r), e, e * e, seen
 
         measure.__qualname__ = "VMC.measure"
         object.__setattr__(self, "measure", walker_parallel(**options)(measure))
-        object.__setattr__(self, "step", jax.jit(self._step))
         # any optax transformation takes the extra arguments (jacobian=, local_energies=): unused ones are ignored
-        object.__setattr__(self, "_update", optax.with_extra_args_support(self.optimiser).update)
+        object.__setattr__(self, "_update", _optax().with_extra_args_support(self.optimiser).update)
 
     def init(self, params: Any, walkers: Any, *, width: float = 0.5) -> VMCState:
         """The state at ``params`` (replicated here) with the sampler's state of ``walkers`` and the optimiser's.
@@ -165,10 +191,14 @@ class VMC:
         params = replicate(params, mesh)
         # (eagerly, on the walkers' mesh: under a context mesh of other devices the optimiser's own
         # computations would meet arrays of another mesh; the step then names the mismatch)
+        assert self.sampler is not None
+        sampler = self.sampler.init(params, walkers, width)
+        if self._walker_optimiser is not None:
+            opt = self._walker_optimiser.init(params, jax.random.key(0), _positions(sampler.walkers))
+            return VMCState(params, opt, sampler)
         with entered_mesh(None if tracing() or mesh is None else mesh):
             opt = replicate(self.optimiser.init(params), mesh)
-        assert self.sampler is not None
-        return VMCState(params, opt, self.sampler.init(params, walkers, width))
+        return VMCState(params, opt, sampler)
 
     def _step(self, state: VMCState, key: jax.Array) -> tuple[VMCState, dict[str, jax.Array]]:
         # mesh=: every kernel of the step (the optimiser's too) computes there, as under sv.use_mesh(mesh)
@@ -180,19 +210,18 @@ class VMC:
         assert self.sampler is not None
         params = state.params
         sampler = self.sampler.step(params, state.sampler, key)
-        e, j, e_mean, e2_mean = self.measure(params, sampler.walkers)
+        if self._walker_optimiser is not None:
+            params, opt, out = self._walker_optimiser.step(
+                params, state.opt, jax.random.fold_in(key, 1), batch=_positions(sampler.walkers)
+            )
+            return VMCState(params, opt, sampler), _stats(out["aux"]["energy"], out["aux"]["variance"], sampler)
+        e, j, e_mean, e2_mean, seen_mean = self.measure(params, sampler.walkers)
         # The energy gradient as the updates: unused (and so not computed) by the natural gradient.
-        centred = WalkerSet(e.data - e_mean, e.n_valid)
+        centred = WalkerSet(e.data - seen_mean, e.n_valid)
         gradient = jax.tree_util.tree_map(lambda g: 2 * g, _weighted_mean(j, centred, self.mesh))
         updates, opt = self._update(gradient, state.opt, params, jacobian=j, local_energies=e)
         variance = jnp.maximum(e2_mean - e_mean**2, 0.0)  # round-off of an exact state must not give a nan error
-        stats = {
-            "energy": e_mean,
-            "error": jnp.sqrt(variance / e.n_valid),
-            "variance": variance,
-            "acceptance": sampler.acceptance,
-        }
-        return VMCState(optax.apply_updates(params, updates), opt, sampler), stats
+        return VMCState(optax.apply_updates(params, updates), opt, sampler), _stats(e_mean, variance, sampler)
 
     def expect(
         self,
@@ -217,6 +246,21 @@ class VMC:
         assert self.sampler is not None and self.local_energy is not None
         observable = self.local_energy if observable is None else observable
         return expect(self.sampler, observable, state.params, state.sampler, n_steps, key=key, progress=progress)
+
+
+def _positions(walkers: WalkerSet) -> WalkerSet:
+    """The walkers' positions (without their cached ``log|psi|``), with their valid count."""
+    return WalkerSet(walkers.data.r, walkers.n_valid)
+
+
+def _stats(energy: jax.Array, variance: jax.Array, sampler: SamplerState) -> dict[str, jax.Array]:
+    """What a step reports: the mean local energy, its error bar over the walkers, the variance, acceptance."""
+    return {
+        "energy": energy,
+        "error": jnp.sqrt(variance / sampler.walkers.n_valid),
+        "variance": variance,
+        "acceptance": sampler.acceptance,
+    }
 
 
 def _weighted_mean(j: Any, e: WalkerSet, mesh: Mesh | None) -> Any:

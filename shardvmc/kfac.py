@@ -69,9 +69,11 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import inspect
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 try:
@@ -124,10 +126,19 @@ from ._internals import tracing
 from ._kernel import Options
 from ._markers import Kind, Layout, Param
 from ._mesh import call_mesh, mesh_of_arrays
-from ._placement import pad_n_walkers, place_on, slice_walkers
+from ._placement import pad_n_walkers, pad_walker, place_on, slice_walkers
+from ._stats import all_walkers, current_body
 from ._walkerset import WalkerSet, walker_count
 
-__all__ = ["KFAC_JAX_PATCHED", "DiagonalBlockWarning", "Optimizer", "check_curvature_blocks"]
+__all__ = [
+    "KFAC",
+    "KFAC_JAX_PATCHED",
+    "DiagonalBlockWarning",
+    "EnergyLoss",
+    "Optimizer",
+    "check_curvature_blocks",
+    "energy_loss",
+]
 
 KFAC_JAX_PATCHED: bool = _kfac_compat.PATCHED
 """Whether importing ``shardvmc.kfac`` fixed kfac-jax's ``eval_jaxpr_eqn`` (kfac-jax 0.0.8 on JAX >= 0.9.2)."""
@@ -145,6 +156,36 @@ class DiagonalBlockWarning(UserWarning):
     preconditions those parameters with a diagonal estimate from each device's batch
     gradient, far from the Kronecker-factored one.
     """
+
+
+def _gathering_aux(
+    value_and_grad_func: Callable[..., Any], has_state: bool, block_size: Callable[[], int]
+) -> Callable[..., Any]:
+    """``value_and_grad_func`` whose per-walker aux values are gathered over every device, in walker order.
+
+    kfac-jax averages the loss's aux over the devices (``pmean``): a per-walker value
+    (FermiNet's local energies) would come back as the mean of the devices' blocks.
+    Gathered inside the loss (an aux leaf whose leading axis is the block's walkers),
+    every device holds the same values and the average keeps them: the valid walkers'
+    values, as on one device.
+    """
+
+    def gather(x: Any) -> Any:
+        body = current_body()
+        if body is None or not isinstance(x, jax.Array) or x.ndim == 0 or x.shape[0] != block_size():
+            return x
+        every = jax.lax.all_gather(x, body.axes, tiled=True)
+        return every[: body.count] if isinstance(body.count, int) else every
+
+    @functools.wraps(value_and_grad_func)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        (value, rest), grads = value_and_grad_func(*args, **kwargs)
+        if has_state:
+            state, aux = rest
+            return (value, (state, jax.tree_util.tree_map(gather, aux))), grads
+        return (value, jax.tree_util.tree_map(gather, rest)), grads
+
+    return wrapped
 
 
 def _signature(names: tuple[str, ...]) -> inspect.Signature:
@@ -217,6 +258,7 @@ class Optimizer:
         *,
         mesh: Mesh | None = None,
         pmap_axis_name: str = "kfac_axis",
+        masks_padding: bool | None = None,
         **kwargs: Any,
     ) -> None:
         for name, bad, why in (
@@ -255,6 +297,13 @@ class Optimizer:
             )
         # multi_device=True keeps pmap_axis_name for kfac-jax's collectives; staging_context() (entered in the
         # kernels) stops it from wrapping its methods in its own pmap.
+        # A loss that reduces with sv.all_walkers (energy_loss does) leaves padding out; a pmap-style loss cannot.
+        if masks_padding is None:
+            masks_padding = bool(getattr(value_and_grad_func, "masks_padding", False))
+        self._masks_padding = masks_padding
+        if kwargs.get("value_func_has_aux", False):
+            has_state = bool(kwargs.get("value_func_has_state", False))
+            value_and_grad_func = _gathering_aux(value_and_grad_func, has_state, lambda: self._block_size)
         self._kfac = kfac_jax.Optimizer(
             value_and_grad_func, l2_reg, multi_device=True, pmap_axis_name=pmap_axis_name, **kwargs
         )
@@ -265,6 +314,7 @@ class Optimizer:
             "register_only_generic", False
         )
         self._block_size = 0  # walkers per device, set by init (kfac-jax reads the network from that shape)
+        self._one_program = _kfac_compat.steps_share_one_program(self._kfac)  # the step number need not be read
         self._size = 0  # devices of the mesh
         self._kmesh: Mesh | None = None  # the mesh's devices on one axis named pmap_axis_name
         self._trace_step = 0  # the step number the step kernel is being traced for (see _step_body)
@@ -353,7 +403,10 @@ class Optimizer:
     ) -> Any:
         data_seen = state.data_seen
         rng = jax.random.fold_in(rng, jax.lax.axis_index(self._axis))
-        with self._kfac.staging_context():
+        body = current_body()
+        assert body is not None
+        # kfac-jax's curvature of the valid walkers of every device, as on one device (see _kfac_compat).
+        with _kfac_compat.valid_walker_curvature(body.valid, body.count, body.axes), self._kfac.staging_context():
             # The program depends on the step number only through `plan` (the compilation key; burn-in at step 0
             # is refused in __init__); the number itself is the one being traced for, so kfac-jax takes the same
             # branches.
@@ -369,23 +422,12 @@ class Optimizer:
                 global_step_int=self._trace_step,
             )
         new_state, stats = out[1], out[-1]
-        if "aux" in stats:
-            # The loss's per-walker values (FermiNet's aux local energies) differ between devices; gathered in
-            # walker order they are the same everywhere, as a replicated result must be (pmap gives one row per
-            # device instead).
-            stats["aux"] = jax.tree_util.tree_map(self._gather_per_walker, stats["aux"])
         new_state.estimator_state = _kfac_compat.sync_estimator(self._kfac, new_state.estimator_state, self._axis)
-        n_walkers = self._block_size * self._size
-        new_state.data_seen = data_seen + n_walkers
+        n_walkers = all_walkers.count()  # the valid walkers (kfac-jax counts its block times jax.device_count())
+        new_state.data_seen = data_seen + n_walkers.astype(jnp.asarray(data_seen).dtype)
         stats["data_seen"] = new_state.data_seen
-        stats["batch_size"] = jnp.asarray(n_walkers, jnp.int32)
+        stats["batch_size"] = n_walkers
         return out
-
-    def _gather_per_walker(self, x: Any) -> Any:
-        """``x`` for all walkers when it holds one entry per walker of the block, else as it is."""
-        if isinstance(x, jax.Array) and x.ndim >= 1 and x.shape[0] == self._block_size:
-            return jax.lax.all_gather(x, self._axis, tiled=True)
-        return x
 
     # ------------------------------------------------------------------ the public steps
 
@@ -395,6 +437,12 @@ class Optimizer:
         size = self._size
         data, n_valid = (batch.data, batch.n_valid) if isinstance(batch, WalkerSet) else (batch, None)
         n = walker_count(data, _WHERE, what)
+        if self._masks_padding:  # any count: padded to the mesh, the padding masked by the loss and the curvature
+            padded, _ = pad_walker(data, pad_n_walkers(n, size))
+            self._check_block(pad_n_walkers(n, size) // size, what)
+            sharding = NamedSharding(self._kmesh, PartitionSpec(self._axis))
+            placed = jax.tree_util.tree_map(lambda x: _on(x, sharding, lambda y: place_on(y, sharding, _WHERE)), padded)
+            return WalkerSet(placed, n if n_valid is None else n_valid)
         if n_valid is not None and n_valid < n:
             if n_valid % size == 0:  # drop the padding: the valid walkers still split evenly
                 data, n = slice_walkers(data, 0, n_valid), n_valid
@@ -403,12 +451,13 @@ class Optimizer:
                     message(
                         _WHERE,
                         f"{what} is a WalkerSet of {n_valid} valid walkers padded to {n}; its {n_valid} walkers do not "
-                        f"split evenly over the {size} devices, and padding cannot be masked out of the loss, its "
-                        "gradient and kfac's curvature (they average each device's block).",
+                        f"split evenly over the {size} devices, and padding cannot be masked out of a loss written "
+                        "for pmap (it averages each device's block).",
                         got=f"n_valid={n_valid}, {n} walkers, mesh {dict(self._mesh.shape)}",
-                        expected=f"a walker count that is a multiple of {size}",
-                        fix=f"use {n_valid - n_valid % size or size} or {pad_n_walkers(n_valid, size)} walkers "
-                        f"(e.g. sv.initialize_walkers_sharded(init, {pad_n_walkers(n_valid, size)}, mesh)).",
+                        expected=f"a walker count that is a multiple of {size}, or a loss that masks padding",
+                        fix=f"use sv.kfac.energy_loss (any walker count), or a loss that reduces with sv.all_walkers "
+                        f"and masks_padding=True; or use {n_valid - n_valid % size or size} or "
+                        f"{pad_n_walkers(n_valid, size)} walkers.",
                     )
                 )
         if n % size:
@@ -416,26 +465,30 @@ class Optimizer:
                 message(
                     _WHERE,
                     f"{what} holds {n} walkers, which do not split evenly over the {size} devices of the mesh "
-                    "(padding cannot be masked out of the loss, its gradient and kfac's curvature).",
+                    "(padding cannot be masked out of a loss written for pmap).",
                     got=f"{n} walkers, mesh {dict(self._mesh.shape)}",
-                    expected=f"a multiple of {size}",
-                    fix=f"use {n - n % size or size} or {pad_n_walkers(n, size)} walkers.",
+                    expected=f"a multiple of {size}, or a loss that masks padding",
+                    fix=f"use sv.kfac.energy_loss (any walker count), or a loss that reduces with sv.all_walkers and "
+                    f"masks_padding=True; or use {n - n % size or size} or {pad_n_walkers(n, size)} walkers.",
                 )
             )
-        if self._block_size and n // size != self._block_size:
-            raise CallError(
-                message(
-                    _WHERE,
-                    f"{what} holds {n} walkers, another number than the batch init() was given.",
-                    got=f"{n // size} walkers per device",
-                    expected=f"{self._block_size} per device (kfac-jax reads the network from init's batch shape)",
-                    fix="pass batches of init's size, or build a new Optimizer (the state carries over).",
-                )
-            )
+        self._check_block(n // size, what)
         # Host data is sliced per device (each process sends only its own walkers); jax.Arrays are moved (or,
         # already split this way, relabelled).
         sharding = NamedSharding(self._kmesh, PartitionSpec(self._axis))
         return jax.tree_util.tree_map(lambda x: _on(x, sharding, lambda y: place_on(y, sharding, _WHERE)), data)
+
+    def _check_block(self, block: int, what: str) -> None:
+        if self._block_size and block != self._block_size:
+            raise CallError(
+                message(
+                    _WHERE,
+                    f"{what} holds {block} walkers per device, another number than the batch init() was given.",
+                    got=f"{block} walkers per device",
+                    expected=f"{self._block_size} per device (kfac-jax reads the network from init's batch shape)",
+                    fix="pass batches of init's size, or build a new Optimizer (the state carries over).",
+                )
+            )
 
     def _replicated(self, tree: Any) -> Any:
         """``tree`` replicated on the mesh: host data is copied there; arrays already there are relabelled.
@@ -463,7 +516,8 @@ class Optimizer:
         """
         init_kernel, _ = self._kernels(batch)
         data = self._batch(batch, "batch")
-        self._block_size = walker_count(data, _WHERE, "batch") // self._size
+        rows = data.data if isinstance(data, WalkerSet) else data
+        self._block_size = walker_count(rows, _WHERE, "batch") // self._size
         state = self._call(
             init_kernel, self._replicated(params), self._replicated(_key(rng)), data, self._replicated(func_state)
         )
@@ -518,6 +572,8 @@ class Optimizer:
                     fix="call state = opt.init(params, rng, batch) first and pass that state to step.",
                 )
             )
+        if global_step_int is None and self._one_program:
+            global_step_int = 1  # every step is the same program (kfac-jax's flags do not depend on it): no read
         if global_step_int is None:
             counter = state.step_counter
             if isinstance(counter, Tracer):
@@ -537,6 +593,181 @@ class Optimizer:
         params, state, func_state = self._replicated((params, state, func_state))
         self._trace_step = step
         return self._call(step_kernel, params, state, self._replicated(_key(rng)), data, func_state, *scalars, plan)
+
+
+class EnergyLoss:
+    """The VMC energy loss for kfac-jax, as FermiNet's and DeepQMC's write it, over the valid walkers only.
+
+    Made by :func:`energy_loss`; call it as kfac-jax calls its ``value_and_grad_func``:
+    ``loss(params, key, walkers) -> ((energy, aux), gradient)`` on one device's block,
+    inside :class:`Optimizer`'s step. ``masks_padding`` tells the optimiser that padding
+    walkers never enter it, so it takes any walker count.
+    """
+
+    masks_padding = True
+
+    def __init__(self, log_psi: Callable[..., Any], local_energy: Callable[..., Any], clipping: Any = None) -> None:
+        self.log_psi, self.local_energy, self.clipping = log_psi, local_energy, clipping
+        self._value_and_grad = jax.value_and_grad(_total_energy(log_psi, local_energy, clipping), has_aux=True)
+
+    def __call__(self, params: Any, key: Any, walkers: Any) -> Any:
+        return self._value_and_grad(params, key, walkers)
+
+    def __repr__(self) -> str:
+        return f"EnergyLoss(clipping={self.clipping!r})"
+
+
+def _total_energy(log_psi: Callable[..., Any], local_energy: Callable[..., Any], clipping: Any) -> Callable[..., Any]:
+    # a walker-parallel kernel called from the step's body maps itself over the block (sv.hamiltonian's is one)
+    batch_energy = local_energy if isinstance(local_energy, WalkerParallel) else jax.vmap(local_energy, (None, 0))
+    batch_log_psi = jax.vmap(log_psi, in_axes=(None, 0))
+
+    def statistics(params: Any, r: jax.Array) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
+        e = batch_energy(params, r)
+        energy = all_walkers.mean(e)
+        variance = all_walkers.mean(jnp.abs(e - energy) ** 2)
+        return e, energy, {"energy": energy, "variance": variance}
+
+    @jax.custom_jvp
+    def total_energy(params: Any, key: Any, r: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+        _, energy, aux = statistics(params, r)
+        return energy, aux
+
+    @total_energy.defjvp
+    def total_energy_jvp(primals: tuple[Any, ...], tangents: tuple[Any, ...]) -> tuple[Any, Any]:
+        params, _, r = primals
+        e, energy, aux = statistics(params, r)
+        clipped, keep = (e, jnp.ones(e.shape, bool)) if clipping is None else clipping(e)
+        body = current_body()
+        assert body is not None  # inside Optimizer's step kernel
+        if body.valid is not None:
+            keep = keep & body.valid
+        centred = jnp.where(keep, clipped - all_walkers.mean(clipped), 0.0)
+        log_psi_value, log_psi_tangent = jax.jvp(lambda p: batch_log_psi(p, r), (params,), (tangents[0],))
+        kfac_jax.register_normal_predictive_distribution(log_psi_value[:, None])
+        # This device's share: kfac-jax averages the devices' gradients, which then is the mean over the kept
+        # walkers of every device (no collective on the tangent: its transpose would sum the devices again).
+        share = jax.lax.axis_size(body.axes) / all_walkers.sum(keep.astype(e.dtype))
+        tangent = share * jnp.dot(log_psi_tangent, centred)
+        return (energy, aux), (tangent, jax.tree_util.tree_map(jnp.zeros_like, aux))
+
+    return total_energy
+
+
+def energy_loss(log_psi: Callable[..., Any], local_energy: Callable[..., Any], clipping: Any = None) -> EnergyLoss:
+    """The VMC energy loss for :class:`Optimizer`: its value, its gradient and kfac-jax's curvature registration.
+
+    FermiNet's ``make_loss`` and DeepQMC's energy loss, written once: the value is the
+    mean local energy over every valid walker, the gradient ``E[(c - E[c]) d log|psi|]``
+    with ``c`` the clipped local energies (``clipping``: ``sv.loss.ClipMAD()`` is
+    FermiNet's, ``sv.loss.ClipLogSqueeze()`` DeepQMC's; ``None`` keeps them), averaged
+    over the walkers the clipping keeps, and ``log|psi|`` registered as a normal
+    predictive distribution for kfac-jax's Fisher (as FermiNet does; like both codes,
+    the gradient is half the energy's). Padding walkers enter nothing, so the optimiser
+    takes any walker count, and the step is the same on any device count.
+
+    Pass it to :class:`Optimizer` with ``value_func_has_aux=True`` and
+    ``value_func_has_rng=True``; ``stats["aux"]`` then holds ``energy`` and
+    ``variance``. :class:`KFAC` does all this for ``sv.driver.VMC``.
+
+    Args:
+        log_psi: ``log_psi(params, r)`` of ONE walker (real ``log|psi|``).
+        local_energy: ``local_energy(params, r)`` of ONE walker (e.g.
+            ``sv.hamiltonian.local_energy(log_psi, potential)``).
+        clipping: a clipping of the gradient's local energies (``sv.loss``), or ``None``.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, shardvmc as sv, shardvmc.kfac
+        >>> log_psi = lambda a, r: -a * jnp.sum(r**2)
+        >>> energy = sv.hamiltonian.local_energy(log_psi, lambda r: 0.5 * jnp.sum(r**2))
+        >>> loss = sv.kfac.energy_loss(log_psi, energy, sv.loss.ClipMAD(5.0))
+        >>> opt = sv.kfac.Optimizer(loss, l2_reg=0.0, num_burnin_steps=0, learning_rate_schedule=lambda t: 0.1,
+        ...                         value_func_has_aux=True, value_func_has_rng=True)
+        >>> r = jax.random.normal(jax.random.key(0), (13, 1, 3))  # any walker count
+        >>> state = opt.init(jnp.float32(0.4), jax.random.key(1), r)
+        >>> a, state, stats = opt.step(jnp.float32(0.4), state, jax.random.key(2), batch=r, momentum=0.0,
+        ...                            damping=1e-3)
+        >>> int(stats["batch_size"]), bool(a > 0.4)  # 13 walkers; a moves toward the ground state's 0.5
+        (13, True)
+    """
+    return EnergyLoss(log_psi, local_energy, clipping)
+
+
+def _constant(value: float) -> Callable[[Any], Any]:
+    return lambda step: jnp.asarray(value)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class KFAC:
+    """KFAC as ``sv.driver.VMC``'s optimiser: kfac-jax on the library's energy loss, FermiNet's settings by default.
+
+    ``sv.driver.VMC(log_psi, sv.kfac.KFAC(), potential, clipping=sv.loss.ClipMAD())``
+    trains with KFAC as it does with the natural gradient: VMC builds
+    :func:`energy_loss` (its clipping, any walker count) and an :class:`Optimizer` of
+    these settings, and its step samples, then takes kfac-jax's step, in one jitted
+    program.
+
+    Args:
+        learning_rate: a number, or a schedule ``step -> rate`` (an optax schedule);
+            FermiNet's is ``0.05 / (1 + t / 10^4)``.
+        damping: the Tikhonov damping (FermiNet: 1e-3).
+        norm_constraint: the bound on the update's Fisher norm (FermiNet: 1e-3), or ``None``.
+        momentum: kfac-jax's momentum (FermiNet: 0).
+        curvature_ema: the curvature estimate's moving-average decay (FermiNet: 0.95).
+        inverse_update_period: steps between inversions of the curvature (FermiNet: 1).
+        min_damping: kfac-jax's ``min_damping``.
+        estimation_mode: kfac-jax's ``estimation_mode`` (FermiNet: ``"fisher_exact"``).
+        l2_reg: kfac-jax's ``l2_reg``.
+        options: any other argument of ``kfac_jax.Optimizer`` (every step must be the same
+            program: no adaptive damping, ``curvature_update_period=1``).
+
+    Example:
+        >>> import jax, jax.numpy as jnp, shardvmc as sv, shardvmc.kfac
+        >>> log_psi = lambda a, r: -a * jnp.sum(r**2)  # a 3-D harmonic oscillator: E = 1.5 at a = 0.5
+        >>> vmc = sv.driver.VMC(log_psi, sv.kfac.KFAC(learning_rate=0.1, norm_constraint=None),
+        ...                     lambda r: 0.5 * jnp.sum(r**2), clipping=sv.loss.ClipMAD())
+        >>> walkers = sv.initialize_walkers_sharded(lambda k: jax.random.normal(k, (1, 3)), 13, key=jax.random.key(0))
+        >>> state, stats = vmc.step(vmc.init(jnp.float32(0.4), walkers), jax.random.key(1))
+        >>> bool(state.params > 0.4), sorted(stats)
+        (True, ['acceptance', 'energy', 'error', 'variance'])
+    """
+
+    learning_rate: float | Callable[[Any], Any] = 0.05
+    damping: float = 1e-3
+    norm_constraint: float | None = 1e-3
+    momentum: float = 0.0
+    curvature_ema: float = 0.95
+    inverse_update_period: int = 1
+    min_damping: float = 1e-4
+    estimation_mode: str = "fisher_exact"
+    l2_reg: float = 0.0
+    options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    def vmc_optimizer(
+        self, log_psi: Callable[..., Any], local_energy: Callable[..., Any], clipping: Any, mesh: Mesh | None
+    ) -> Optimizer:
+        """The :class:`Optimizer` of these settings on :func:`energy_loss` (what ``sv.driver.VMC`` steps)."""
+        schedule = self.learning_rate if callable(self.learning_rate) else _constant(self.learning_rate)
+        optimizer = Optimizer(
+            energy_loss(log_psi, local_energy, clipping), self.l2_reg, mesh=mesh, value_func_has_aux=True,
+            value_func_has_rng=True, learning_rate_schedule=schedule, damping_schedule=_constant(self.damping),
+            momentum_schedule=_constant(self.momentum), norm_constraint=self.norm_constraint,
+            curvature_ema=self.curvature_ema, inverse_update_period=self.inverse_update_period,
+            min_damping=self.min_damping, estimation_mode=self.estimation_mode, num_burnin_steps=0,
+            **dict(self.options),
+        )  # fmt: skip
+        if not optimizer._one_program:
+            raise CallError(
+                message(
+                    f"{_WHERE} (KFAC)",
+                    "sv.driver.VMC runs every step as one jitted program, but these options make kfac-jax's program "
+                    "depend on the step number (adaptive damping, or a curvature_update_period above 1).",
+                    got=repr(dict(self.options)),
+                    fix="drop use_adaptive_damping= and curvature_update_period=, or write the step yourself with "
+                    "shardvmc.kfac.Optimizer (its step takes global_step_int=).",
+                )
+            )
+        return optimizer
 
 
 _DIAGONAL = frozenset({"generic", "scale_and_shift"})  # kfac-jax's layer tags whose blocks are diagonal
