@@ -108,7 +108,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--child", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--worker", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--trajectory-child", type=int, default=0, help=argparse.SUPPRESS)
-    parser.add_argument("--optimiser", default="kfac", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.smoke:
         args.walkers, args.rounds, args.block, args.piece_reps = 16, 2, 1, 2
@@ -131,6 +130,12 @@ def quartiles(values: list[float]) -> dict[str, float]:
     values = sorted(values)
     q = statistics.quantiles(values, n=4) if len(values) > 1 else [values[0]] * 3
     return {"median": statistics.median(values), "q25": q[0], "q75": q[2], "n": len(values)}
+
+
+def fmt_energy(e: dict[str, float]) -> str:
+    """``mean ± error``; the mean alone when the steps were too few for an error bar (a smoke run's one step)."""
+    finite = e["error"] == e["error"] and e["error"] not in (float("inf"), float("-inf"))
+    return f"{e['mean']:.4f} ± {e['error']:.4f}" if finite else f"{e['mean']:.4f} ({e['steps']} steps: no error bar)"
 
 
 def fmt_ratio(r: dict[str, float] | None) -> str:
@@ -359,11 +364,10 @@ def ask(proc: Any, **request: Any) -> dict[str, Any]:
 # shardvmc's side, in this process
 
 
-def shardvmc_job(walkers: int, smoke: bool, optimiser: str = "kfac") -> dict[str, Any]:
+def shardvmc_job(walkers: int, smoke: bool) -> dict[str, Any]:
     """shardvmc's training of the same ansatz from the same parameters: ``start()``, ``run(n)``, the pieces."""
     import jax
     import jax.numpy as jnp
-    import kfac_jax
 
     import shardvmc as sv
     import shardvmc.kfac as svk
@@ -392,82 +396,26 @@ def shardvmc_job(walkers: int, smoke: bool, optimiser: str = "kfac") -> dict[str
         # end of user code
     energies: list[float] = []
     # user code: shardvmc
-    AXIS = "device_axis"  # the axis name of the loss's collectives (DeepQMC's pmap axis)
     local_energy = sv.hamiltonian.local_energy(log_psi, lambda r: sv.hamiltonian.coulomb(r, charges, coords))
     sampler = sv.mcmc.Metropolis(log_psi, n_steps=DECORRELATION, target_acceptance=ACCEPTANCE)
-
-    def log_squeeze(x):  # deepqmc.utils.log_squeeze
-        return jnp.sign(x) * jnp.log1p((jnp.abs(x) + x**2 / 2 + jnp.abs(x) ** 3) / (1 + x**2))
-
-    @jax.custom_jvp
-    def loss(params, key, r):  # one device's walkers, as under pmap; the mean energy over all of them
-        e = local_energy(params, r)
-        return jax.lax.pmean(jnp.mean(e), AXIS), e
-
-    @loss.defjvp
-    def loss_jvp(primals, tangents):  # DeepQMC's gradient, its energies clipped (median_log_squeeze_and_mask)
-        params, key, r = primals
-        mean, e = loss(params, key, r)
-        every = jax.lax.all_gather(e, AXIS)
-        median = jnp.median(every)
-        width = jnp.quantile(jnp.abs(every - median), 0.95)
-        clipped = median + 2 * width * log_squeeze((e - median) / (2 * width))
-        psi, psi_tangent = jax.jvp(lambda p: jax.vmap(log_psi, (None, 0))(p, r), (params,), (tangents[0],))
-        kfac_jax.register_normal_predictive_distribution(psi[:, None])
-        tangent = jnp.mean((clipped - jax.lax.pmean(jnp.mean(clipped), AXIS)) * psi_tangent)
-        return (mean, e), (tangent, e)
-
-    opt = svk.Optimizer(
-        jax.value_and_grad(loss, has_aux=True), l2_reg=0.0, pmap_axis_name=AXIS, value_func_has_aux=True,
-        value_func_has_rng=True, learning_rate_schedule=lambda t: LEARNING_RATE / (1 + t / DECAY),
-        damping_schedule=lambda t: DAMPING, norm_constraint=NORM_CONSTRAINT, estimation_mode="fisher_exact",
-        inverse_update_period=1, num_burnin_steps=0,
-    )  # fmt: skip
-    sample = jax.jit(sampler.step)
-
-    def step(params, opt_state, state, key):
-        state = sample(params, state, key)
-        params, opt_state, stats = opt.step(params, opt_state, jax.random.fold_in(key, 1), batch=state.positions,
-                                            momentum=0.0)  # fmt: skip
-        return params, opt_state, state, stats["loss"]
-
+    kfac = svk.KFAC(learning_rate=lambda t: LEARNING_RATE / (1 + t / DECAY), damping=DAMPING,
+                    norm_constraint=NORM_CONSTRAINT)  # fmt: skip
+    clipping = sv.loss.ClipLogSqueeze()  # DeepQMC's median_log_squeeze_and_mask
+    vmc = sv.driver.VMC(log_psi, kfac, local_energy=local_energy, sampler=sampler, clipping=clipping)
     # end of user code
-    init = lambda params, state: opt.init(params, jax.random.key(1), state.positions)  # noqa: E731
-    if optimiser == "sr":  # the trajectory check's padding-aware optimiser: natural gradient (shardvmc.optax)
-        import optax
-
-        import shardvmc.optax as svx
-
-        sr = optax.chain(svx.natural_gradient(damping=DAMPING, method="dense"), optax.sgd(LEARNING_RATE))
-
-        @sv.walker_parallel
-        def measure(params: sv.Replicated[Any], w: sv.PerWalker[Any]) -> tuple[sv.PerWalker, sv.PerWalker, sv.Mean]:
-            e = local_energy(params, w.r)
-            return e, jax.grad(log_psi)(params, w.r), e
-
-        @jax.jit
-        def step(params, opt_state, state, key):  # noqa: F811
-            state = sampler.step(params, state, key)
-            e, jac, mean = measure(params, state.walkers)
-            updates, opt_state = sr.update(params, opt_state, params, jacobian=jac, local_energies=e)
-            return optax.apply_updates(params, updates), opt_state, state, mean
-
-        init = lambda params, state: sr.init(params)  # noqa: E731, F811
-
-    box: dict[str, Any] = {"params": sv.replicate(params0)}
+    sample = jax.jit(sampler.step)
     positions = sv.initialize_walkers_sharded(one_walker, walkers, key=jax.random.key(SEED))
-    box["state"] = sampler.init(box["params"], positions, width=TAU)
+    box: dict[str, Any] = {"state": vmc.init(sv.replicate(params0), positions, width=TAU)}
     for t in range(BURN_IN):  # the burn-in at the initial parameters
-        box["state"] = sample(box["params"], box["state"], jax.random.fold_in(jax.random.key(2), t))
+        state, key = box["state"], jax.random.fold_in(jax.random.key(2), t)
+        box["state"] = state._replace(sampler=sample(state.params, state.sampler, key))
 
     def run(n_steps: int) -> Any:
-        if "opt" not in box:
-            box["opt"] = init(box["params"], box["state"])
         for _ in range(n_steps):
             key = jax.random.fold_in(jax.random.key(3), len(energies))
-            box["params"], box["opt"], box["state"], energy = step(box["params"], box["opt"], box["state"], key)
-            energies.append(float(energy))
-        return box["params"]
+            box["state"], stats = vmc.step(box["state"], key)
+            energies.append(float(stats["energy"]))
+        return box["state"].params
 
     @sv.walker_parallel
     def gradient(params: sv.Replicated[Any], r: sv.PerWalker[jax.Array]) -> sv.PerWalker[Any]:
@@ -477,14 +425,14 @@ def shardvmc_job(walkers: int, smoke: bool, optimiser: str = "kfac") -> dict[str
     jvp_energy = sv.hamiltonian.local_energy(
         log_psi, lambda r: sv.hamiltonian.coulomb(r, charges, coords), laplacian="jvp"
     )
+    opt = kfac.vmc_optimizer(log_psi, local_energy, clipping, None)  # the one vmc.step runs (the same arguments)
+    now = lambda: box["state"]  # noqa: E731
     pieces = {
-        "sampler step": lambda: sample(box["params"], box["state"], key),
-        "local energy": lambda: local_energy(box["params"], box["state"].walkers),
-        "local energy, jvp Laplacian (DeepQMC's method)": lambda: jvp_energy(box["params"], box["state"].walkers),
-        "gradient of log|psi|": lambda: gradient(box["params"], box["state"].walkers.data.r),
-        "optimiser step (KFAC)": lambda: opt.step(
-            box["params"], box["opt"], key, batch=box["state"].positions, momentum=0.0
-        )[0],  # fmt: skip
+        "sampler step": lambda: sample(now().params, now().sampler, key),
+        "local energy": lambda: local_energy(now().params, now().sampler.walkers),
+        "local energy, jvp Laplacian (DeepQMC's method)": lambda: jvp_energy(now().params, now().sampler.walkers),
+        "gradient of log|psi|": lambda: gradient(now().params, now().sampler.walkers.data.r),
+        "optimiser step (KFAC)": lambda: opt.step(now().params, now().opt, key, batch=now().sampler.positions)[0],
     }
     return {"run": run, "energies": energies, "box": box, "pieces": pieces, "params0": params0, "log_psi": log_psi}
 
@@ -599,12 +547,8 @@ def trajectory_child(args: argparse.Namespace) -> int:
     import jax
     import numpy as np
 
-    job = shardvmc_job(args.trajectory_walkers, args.smoke, args.optimiser)
-    try:
-        params = job["run"](args.trajectory_steps)
-    except Exception as err:  # shardvmc.kfac refuses walkers the mesh does not split evenly
-        reply({"error": f"{type(err).__name__}: {err}".splitlines()[0]})
-        return 0
+    job = shardvmc_job(args.trajectory_walkers, args.smoke)
+    params = job["run"](args.trajectory_steps)
     flat = np.concatenate([np.ravel(np.asarray(x)) for x in jax.tree_util.tree_leaves(params)])
     reply({"energies": job["energies"], "params": flat.tolist(), "devices": jax.device_count()})
     return 0
@@ -628,10 +572,8 @@ def trajectories(args: argparse.Namespace) -> dict[str, Any]:
 
     counts = [int(n) for n in args.trajectory.split(",") if n]
     result: dict[str, Any] = {"walkers": args.trajectory_walkers, "steps": args.trajectory_steps, "runs": {}}
-    # natural gradient (shardvmc.optax) masks padding walkers; shardvmc.kfac refuses walkers the devices do not
-    # split evenly (kfac-jax's curvature cannot mask them): a smoke run checks the first only
-    for optimiser in ("sr",) if args.smoke else ("sr", "kfac"):
-        runs = {n: run_child("--trajectory-child", n, args, "--optimiser", optimiser) for n in counts}
+    for optimiser in ("kfac",):  # KFAC with DeepQMC's clipping, a walker count the devices do not divide
+        runs = {n: run_child("--trajectory-child", n, args) for n in counts}
         base = runs[counts[0]]
         table = {}
         for n, got in runs.items():
@@ -681,8 +623,8 @@ def report(rows: list[dict], traj: dict | None, lines: dict[str, int], args: arg
     print("|---|---|---|---|---|---|---|")
     for row in rows:
         sv_, dq = row["shardvmc"], row.get("deepqmc") or {}
-        e_sv = f"{sv_['energy']['mean']:.4f} ± {sv_['energy']['error']:.4f}"
-        e_dq = f"{dq['energy']['mean']:.4f} ± {dq['energy']['error']:.4f}" if "energy" in dq else "-"
+        e_sv = fmt_energy(sv_["energy"])
+        e_dq = fmt_energy(dq["energy"]) if "energy" in dq else "-"
         step_dq = f"{dq['step_ms']:.0f}" if "step_ms" in dq else "-"
         first_dq = f"{dq['first_step_s']:.1f}" if dq.get("first_step_s") else "-"
         print(f"| {row['devices']} | {fmt_ratio(row.get('ratio'))} | {sv_['step_ms']:.0f} / {step_dq} | "

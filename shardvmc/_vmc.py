@@ -194,7 +194,7 @@ class VMC:
         assert self.sampler is not None
         sampler = self.sampler.init(params, walkers, width)
         if self._walker_optimiser is not None:
-            opt = self._walker_optimiser.init(params, jax.random.key(0), _positions(sampler.walkers))
+            opt = self._walker_optimiser.init(params, jax.random.key(0), sampler.positions)
             return VMCState(params, opt, sampler)
         with entered_mesh(None if tracing() or mesh is None else mesh):
             opt = replicate(self.optimiser.init(params), mesh)
@@ -212,7 +212,7 @@ class VMC:
         sampler = self.sampler.step(params, state.sampler, key)
         if self._walker_optimiser is not None:
             params, opt, out = self._walker_optimiser.step(
-                params, state.opt, jax.random.fold_in(key, 1), batch=_positions(sampler.walkers)
+                params, state.opt, jax.random.fold_in(key, 1), batch=sampler.positions
             )
             return VMCState(params, opt, sampler), _stats(out["aux"]["energy"], out["aux"]["variance"], sampler)
         e, j, e_mean, e2_mean, seen_mean = self.measure(params, sampler.walkers)
@@ -246,11 +246,6 @@ class VMC:
         assert self.sampler is not None and self.local_energy is not None
         observable = self.local_energy if observable is None else observable
         return expect(self.sampler, observable, state.params, state.sampler, n_steps, key=key, progress=progress)
-
-
-def _positions(walkers: WalkerSet) -> WalkerSet:
-    """The walkers' positions (without their cached ``log|psi|``), with their valid count."""
-    return WalkerSet(walkers.data.r, walkers.n_valid)
 
 
 def _stats(energy: jax.Array, variance: jax.Array, sampler: SamplerState) -> dict[str, jax.Array]:

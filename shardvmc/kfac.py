@@ -742,11 +742,24 @@ class KFAC:
     estimation_mode: str = "fisher_exact"
     l2_reg: float = 0.0
     options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    _built: dict[Any, Optimizer] = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
 
     def vmc_optimizer(
         self, log_psi: Callable[..., Any], local_energy: Callable[..., Any], clipping: Any, mesh: Mesh | None
     ) -> Optimizer:
-        """The :class:`Optimizer` of these settings on :func:`energy_loss` (what ``sv.driver.VMC`` steps)."""
+        """The :class:`Optimizer` of these settings on :func:`energy_loss` (what ``sv.driver.VMC`` steps).
+
+        The same arguments give the same optimiser (its compiled step and its mesh), so a
+        script can time or call the step ``sv.driver.VMC`` runs.
+        """
+        key = (log_psi, local_energy, clipping, mesh)
+        if key not in self._built:
+            self._built[key] = self._optimizer(log_psi, local_energy, clipping, mesh)
+        return self._built[key]
+
+    def _optimizer(
+        self, log_psi: Callable[..., Any], local_energy: Callable[..., Any], clipping: Any, mesh: Mesh | None
+    ) -> Optimizer:
         schedule = self.learning_rate if callable(self.learning_rate) else _constant(self.learning_rate)
         optimizer = Optimizer(
             energy_loss(log_psi, local_energy, clipping), self.l2_reg, mesh=mesh, value_func_has_aux=True,

@@ -154,6 +154,39 @@ def checks(mesh: Any) -> dict[str, Any]:
         "per_walker_key": _specs(kernels["per_walker_key"]),
         "mean_host": _specs(kernels["mean_host"]),
     }
+    out["kfac"] = kfac_checks(mesh)
+    return out
+
+
+def kfac_checks(mesh: Any) -> dict[str, Any]:
+    """Two KFAC steps with FermiNet's and DeepQMC's losses, float64, 10 walkers; {} where kfac-jax cannot import.
+
+    The network has a dense layer (a Kronecker-factored block) and a scalar outside it (a
+    generic block), so both of shardvmc's curvature routes cross the processes.
+    """
+    try:
+        import shardvmc.kfac as svk
+    except ImportError:  # kfac-jax 0.0.8 on JAX >= 0.11
+        return {}
+
+    def psi(p: dict, r: jax.Array) -> jax.Array:
+        return -p["a"] * jnp.sum(r**2) + jnp.sum(jnp.tanh(r.reshape(-1) @ p["w"] + p["b"])) / 4
+
+    out = {}
+    with jax.enable_x64(True):
+        rng = np.random.default_rng(2)
+        params = {"w": rng.normal(size=(6, 4)) / 3, "b": np.zeros(4), "a": np.float64(0.4)}
+        r = host_walkers(N_UNEVEN).astype(np.float64)  # host data, the same on every process
+        energy = sv.hamiltonian.local_energy(psi, lambda x: 0.5 * jnp.sum(x**2))
+        for name, clipping in (("ferminet", sv.loss.ClipMAD()), ("deepqmc", sv.loss.ClipLogSqueeze())):
+            opt = svk.Optimizer(svk.energy_loss(psi, energy, clipping), 0.0, mesh=mesh, value_func_has_aux=True,
+                                value_func_has_rng=True, learning_rate_schedule=lambda t: 0.1, norm_constraint=1e-2,
+                                num_burnin_steps=0, estimation_mode="fisher_exact")  # fmt: skip
+            state = opt.init(params, jax.random.key(0), r)
+            p = params
+            for t in range(2):
+                p, state, stats = opt.step(p, state, jax.random.key(t), batch=r, momentum=0.0, damping=1e-3)
+            out[name] = {"params": _host(p), "energy": float(stats["aux"]["energy"]), "n": int(stats["batch_size"])}
     return out
 
 

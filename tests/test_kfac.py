@@ -498,3 +498,33 @@ def test_steps_under_any_mesh_context_run_on_the_optimisers_axis():
         got = jax.jit(lambda s: opt.step(params, s, _keys(1), batch=batch, momentum=0.0, damping=1e-3,
                                          global_step_int=0)[0])(state)  # fmt: skip
     assert _max_diff(got, expected) <= 1e-12
+
+
+# ----------------------------------------------------------------------------- KFAC in sv.driver
+
+
+def _kfac_job(n_devices):
+    """Hooke's atom on sv.driver.VMC with KFAC and FermiNet's clipping: 13 walkers, which 3 and 8 do not divide."""
+    from driver_job import log_psi, potential
+
+    mesh = sv.create_mesh(jax.devices()[:n_devices])
+    sampler = sv.mcmc.Metropolis(log_psi, n_steps=5, mesh=mesh)
+    vmc = sv.driver.VMC(log_psi, svk.KFAC(learning_rate=0.05), potential, sampler=sampler, mesh=mesh,
+                        clipping=sv.loss.ClipMAD())  # fmt: skip
+    walkers = sv.initialize_walkers_sharded(lambda k: jax.random.normal(k, (2, 3)), 13, mesh, key=jax.random.key(1))
+    return vmc.step, vmc.init({"a": jnp.float64(0.3), "b": jnp.float64(1.0)}, walkers)
+
+
+def test_a_kfac_run_resumed_on_another_device_count_continues_its_trajectory(tmp_path):
+    steps, key = 6, jax.random.key(2)
+    with jax.enable_x64(True):
+        reference = sv.driver.run(*_kfac_job(8), steps, key=key, progress=False)
+        first = sv.driver.run(*_kfac_job(8), steps // 2, key=key, checkpoint=tmp_path, progress=False)
+        resumed = sv.driver.run(*_kfac_job(3), steps, key=key, checkpoint=tmp_path, progress=False)
+    assert first.step == steps // 2 and resumed.resumed_from == steps // 2 and resumed.step == steps
+    moved = abs(float(reference.state.params["a"]) - 0.3)
+    assert moved > 1e-3, "KFAC must move the parameters"
+    # another device count: float64 round-off of the sums over devices (docs/concepts.md), no more
+    np.testing.assert_allclose(resumed.history["energy"], reference.history["energy"], rtol=0, atol=1e-10)
+    assert _max_diff(resumed.state.params, reference.state.params) <= 1e-9 * moved
+    _assert_same_estimates(resumed.state.opt.estimator_state, reference.state.opt.estimator_state)

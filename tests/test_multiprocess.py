@@ -306,8 +306,23 @@ def test_everything_equals_the_single_process_run(toolkit, single_process):
                 assert multi[name] == single_process[name], name
             elif name in ("kernels", "reductions"):
                 assert_close(multi[name], single_process[name], rtol=1e-6, atol=1e-7, where=name)
+            elif name == "kfac":  # float64: the round-off of the sums over devices, no more
+                assert_close(multi[name], single_process[name], rtol=1e-10, atol=1e-12, where=name)
             else:  # placement: exactly the same values and shardings
                 assert multi[name] == single_process[name], name
+
+
+def test_kfac_with_the_fields_losses_takes_one_devices_step_on_two_processes(toolkit):
+    """KFAC with FermiNet's and DeepQMC's clippings on 2 x 2 devices and 10 walkers: the step of one device."""
+    if not toolkit[0]["checks"]["kfac"]:
+        pytest.skip("kfac-jax cannot be imported here (kfac-jax 0.0.8 needs JAX < 0.11)")
+    one = json.loads(json.dumps(mp_worker.kfac_checks(sv.create_mesh(jax.devices()[:1]))))
+    for result in toolkit:
+        got = result["checks"]["kfac"]
+        for name in ("ferminet", "deepqmc"):
+            assert got[name]["n"] == mp_worker.N_UNEVEN
+            assert abs(got[name]["params"]["a"] - 0.4) > 1e-4, "the steps must move the parameters"
+        assert_close(got, one, rtol=1e-10, atol=1e-12, where="kfac")
 
 
 # ---------------------------------------------------------------- the example
