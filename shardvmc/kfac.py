@@ -843,8 +843,12 @@ def _on(x: Any, sharding: NamedSharding, place_host: Callable[[Any], Any]) -> An
     """``x`` with exactly ``sharding``: traced and matching arrays as they are, other arrays moved, host data placed."""
     if isinstance(x, Tracer) or (isinstance(x, jax.Array) and x.sharding == sharding):
         return x
-    if isinstance(x, jax.Array):
+    if isinstance(x, jax.Array) and x.is_fully_addressable == sharding.is_fully_addressable:
         return jax.device_put(x, sharding)
+    if isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+        # a key of this process bound for a mesh across processes: its bits go the way of host data
+        impl = jax.random.key_impl(x)
+        return jax.random.wrap_key_data(place_host(np.asarray(jax.random.key_data(x))), impl=impl)
     return place_host(x)
 
 
