@@ -10,8 +10,10 @@ Example:
 """
 
 from . import distributed as distributed
+from . import dmc as dmc
 from . import driver as driver
 from . import hamiltonian as hamiltonian
+from . import loss as loss
 from . import mcmc as mcmc
 from ._caches import clear_caches as clear_caches
 from ._checkpoint import RESIZED as RESIZED
@@ -107,6 +109,7 @@ __all__ = [
     "clear_caches",
     "create_mesh",
     "distributed",
+    "dmc",
     "driver",
     "gather_walkers",
     "get_replicated_sharding",
@@ -119,6 +122,7 @@ __all__ = [
     "jtv",
     "load_state",
     "load_walkers",
+    "loss",
     "mcmc",
     "n_devices",
     "natural_gradient",

@@ -39,6 +39,7 @@ from ._markers import PerWalker, Replicated
 from .mcmc import Walker, float_positions, log_psi_value
 
 __all__ = ["LAPLACIANS", "coulomb", "kinetic_energy", "local_energy"]
+# (laplacian_and_gradient is also dmc's: a module function, not public API)
 
 LAPLACIANS = ("folx", "jvp")
 """The Laplacian methods: folx's forward Laplacian, or ``jax.linearize`` of the gradient and a loop of JVPs."""
@@ -98,7 +99,7 @@ def coulomb(r: jax.Array, charges: Any = None, coords: Any = None) -> jax.Array:
     return energy.astype(r.dtype)
 
 
-def _laplacian_and_gradient(
+def laplacian_and_gradient(
     f: Callable[[jax.Array], jax.Array], x: jax.Array, laplacian: str, sparsity_threshold: float | int
 ) -> tuple[jax.Array, jax.Array]:
     """Laplacian and gradient of a real ``f`` of a flat ``x``, whose output may have a trailing axis (Re, Im)."""
@@ -163,7 +164,7 @@ def kinetic_energy(
         # folx and jax.linearize take real functions: a complex value as its (Re, Im) parts
         return jnp.stack([jnp.real(value), jnp.imag(value)]) if is_complex else value
 
-    lap, grad = _laplacian_and_gradient(f, x.reshape(-1), laplacian, sparsity_threshold)
+    lap, grad = laplacian_and_gradient(f, x.reshape(-1), laplacian, sparsity_threshold)
     if is_complex:
         lap = jax.lax.complex(lap[0], lap[1])
         grad = jax.lax.complex(grad[..., 0], grad[..., 1])

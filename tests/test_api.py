@@ -35,10 +35,11 @@ PUBLIC = {
     "save_walkers", "load_walkers", "Checkpoint", "RESIZED", "distributed",
     # training-state checkpoints (orbax-checkpoint, the `checkpoint` extra)
     "save_state", "load_state", "Checkpointer", "wait_for_saves",
-    # the standard VMC pieces: the sampler and the local energy (submodules)
-    "mcmc", "hamiltonian",
+    # the standard VMC pieces: the sampler, the local energy, the clippings of the gradient's energies (submodules)
+    "mcmc", "hamiltonian", "loss",
     # the run loop, its loggers and callbacks, the step from its pieces, evaluation (a submodule)
     "driver",
+    "dmc",  # fixed-node diffusion Monte Carlo (a submodule)
 }  # fmt: skip
 
 
@@ -46,6 +47,8 @@ PUBLIC = {
 SUBMODULES = {
     "mcmc": {"MOVES", "Metropolis", "SamplerState", "Walker", "adapt_width"},
     "hamiltonian": {"LAPLACIANS", "coulomb", "kinetic_energy", "local_energy"},
+    "dmc": {"DMC", "DMCState", "DMCWalker", "energy", "extrapolate"},
+    "loss": {"ClipLogSqueeze", "ClipMAD", "Clipping", "log_squeeze"},
     "driver": {
         "CSVLog", "Callback", "JsonLog", "Logger", "PrintLog", "RunResult", "StopOnNonFinite", "TensorBoardLog",
         "Timeout", "VMC", "VMCState", "expect", "read_log", "run",
@@ -59,7 +62,10 @@ SUBMODULES = {
     },
     "launch": {"DEFAULT_GRACE_S", "TIMEOUT_EXIT_CODE", "free_port", "launch", "main", "process_env"},
     "optax": {"FisherNormState", "NaturalGradientState", "clip_by_fisher_norm", "natural_gradient"},
-    "kfac": {"KFAC_JAX_PATCHED", "DiagonalBlockWarning", "Optimizer", "check_curvature_blocks"},
+    "kfac": {
+        "KFAC", "KFAC_JAX_PATCHED", "DiagonalBlockWarning", "EnergyLoss", "Optimizer", "check_curvature_blocks",
+        "energy_loss",
+    },
 }  # fmt: skip
 
 

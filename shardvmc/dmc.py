@@ -1,0 +1,789 @@
+"""Fixed-node diffusion Monte Carlo from a per-walker ``log|psi|``: ``DMC``, its estimator, time-step extrapolation.
+
+``DMC(log_psi, potential, time_step=...)`` projects the trial function ``psi`` (real, written for ONE
+walker) onto the lowest state of its nodal pocket with the algorithm of Umrigar, Nightingale and Runge
+(J. Chem. Phys. 99, 2865 (1993), "UNR"), every walker's work in walker-parallel kernels:
+
+- **the move**: a drift-diffusion proposal ``r' = r + tau vbar(r) + sqrt(tau) chi`` with the drift
+  ``v = grad log|psi|`` limited per electron near the nodes, ``vbar = 2 v / (1 + sqrt(1 + 2 a v^2 tau))``
+  (UNR's ``(-1 + sqrt(1 + 2 a v^2 tau)) / (a v^2 tau) v``), accepted by Metropolis with the drift-diffusion
+  Green's function, and rejected when it crosses a node (``sign=`` changes) or reaches a point where
+  ``log|psi|``, its gradient or the local energy is not finite;
+- **the effective time step** ``tau_eff = tau <p dR^2> / <dR^2>``, accumulated over the run;
+- **the weights**: ``w <- w exp(tau_eff (E_T - (S(R) + S(R')) / 2))`` with ``S`` the local energy clipped
+  to ``E_T +- E_cut``, ``E_cut = energy_cutoff / sqrt(tau)`` (UNR's cutoff); a walker whose weight or
+  local energy is not finite gets weight 0 (counted in the statistics);
+- **a fixed global population** of the walkers given to :meth:`DMC.init` (any count: a
+  :class:`~shardvmc.WalkerSet` whose padding never enters a sum), resampled by one global comb
+  (systematic resampling, as stochastic reconfiguration: Assaraf, Caffarel and Khelif, Phys. Rev. E 61,
+  4566 (2000)) in walker-index order whenever the weights' effective count falls below
+  ``resample_threshold`` times the population (by default every step);
+- **the mixed estimator** ``sum_k P_k sum_i w_ik E_L(R_ik) / sum_k P_k sum_i w_ik`` with the population
+  control undone over the last ``T_p`` steps by ``P_k``, the product of the steps' mean weights at a
+  fixed trial energy (UNR), and an error bar from :func:`shardvmc.statistics` (:func:`energy`).
+
+What travels between devices per step (docs/dmc.md): one all-reduce of 10 scalars (the step's
+statistics), one all-gather of one scalar per device (the devices' weight totals: each device's offset in
+the global prefix sum), one all-reduce of one flag, and, to move the copies to their slots, a halo of
+``halo`` walkers to each neighbouring device (``ppermute``); only when some device's copies reach farther
+than its neighbours' halos (a weight imbalance of more than ``halo`` walkers at a device boundary, counted
+in the statistics as ``fallback``) every walker is all-gathered instead. No position is read on the host;
+the step is one jitted program.
+
+With one key the run is the same on any device count: walker ``i`` draws from ``fold_in(key, i)``
+(its global index), and the comb works in global walker order, so every decision is the same up to the
+round-off of sums over devices (docs/concepts.md).
+
+Example:
+    >>> import jax, jax.numpy as jnp, shardvmc as sv
+    >>> log_psi = lambda p, r: -0.5 * jnp.sum(r**2)  # the 3-D oscillator's ground state: E = 1.5 exactly
+    >>> dmc = sv.dmc.DMC(log_psi, lambda r: 0.5 * jnp.sum(r**2), time_step=0.05)
+    >>> walkers = sv.initialize_walkers_sharded(lambda k: jax.random.normal(k, (1, 3)), 50, key=jax.random.key(0))
+    >>> result = sv.driver.run(dmc.step, dmc.init(None, walkers), 20, key=jax.random.key(1), progress=False)
+    >>> round(float(sv.dmc.energy(result.history).mean), 4)
+    1.5
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
+
+import folx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+
+from ._decorator import WalkerParallel, walker_parallel
+from ._errors import CallError, describe, message
+from ._internals import tracing
+from ._markers import Mean, PerWalker, Replicated, Static, Sum, WalkerKey
+from ._mcstats import Stats, statistics
+from ._mesh import create_mesh, mesh_of_arrays, use_mesh
+from ._placement import replicate
+from ._stats import current_body
+from ._walkerset import WalkerSet
+from .hamiltonian import LAPLACIANS, laplacian_and_gradient
+from .mcmc import Walker, float_positions, log_psi_value
+
+__all__ = ["DMC", "DMCState", "DMCWalker", "energy", "extrapolate"]
+
+_WHERE = "shardvmc.dmc.DMC"
+
+
+class DMCWalker(NamedTuple):
+    """One DMC walker: its positions and what the next move needs there, and its weight.
+
+    As a :class:`~shardvmc.WalkerSet`'s data, every field has the walker axis first.
+
+    Attributes:
+        r: the positions, ``(n_electrons, ndim)`` (rows are the particles the drift is limited for).
+        log_psi: ``log|psi|`` at ``r``.
+        sign: the sign of ``psi`` at ``r`` (``1`` without ``sign=``).
+        grad: ``grad log|psi|`` at ``r``, the drift (``r``'s shape).
+        local_energy: ``E_L(r)``.
+        weight: the walker's weight, normalised to a mean of 1 over the population after every step (1 after
+            a resampling).
+    """
+
+    r: jax.Array
+    log_psi: jax.Array
+    sign: jax.Array
+    grad: jax.Array
+    local_energy: jax.Array
+    weight: jax.Array
+
+
+class DMCState(NamedTuple):
+    """The state :meth:`DMC.step` steps: a pytree of replicated arrays and one walker set.
+
+    :func:`shardvmc.driver.run` checkpoints it whole and restores it onto any device count.
+
+    Attributes:
+        params: the trial function's parameters, replicated.
+        walkers: a :class:`~shardvmc.WalkerSet` of :class:`DMCWalker`.
+        trial_energy: ``E_T``, the running estimate of the energy: the centre of the local-energy cutoff and
+            the reference of the weights (with a fixed population it does not change the walk).
+        accepted_r2: ``sum p dR^2`` over every walker and step so far (``p`` the acceptance probability).
+        proposed_r2: ``sum dR^2`` over every walker and step so far: ``tau_eff = tau accepted_r2 / proposed_r2``.
+        steps: the steps done (an int32 scalar).
+    """
+
+    params: Any
+    walkers: WalkerSet
+    trial_energy: jax.Array
+    accepted_r2: jax.Array
+    proposed_r2: jax.Array
+    steps: jax.Array
+
+
+def _limited_drift(grad: jax.Array, tau: jax.Array, a: float) -> jax.Array:
+    """UNR's drift limited per particle (a row of ``grad``): ``2 v / (1 + sqrt(1 + 2 a |v|^2 tau))``.
+
+    The same as ``(-1 + sqrt(1 + 2 a v^2 tau)) / (a v^2 tau) v``, written without the division by ``v^2``
+    (finite at ``v = 0``, where it is ``v``); near a node, where ``|v| -> inf``, it tends to
+    ``sqrt(2 / (a tau)) v / |v|``: a step of at most about ``sqrt(2 tau / a)``.
+    """
+    g = grad if grad.ndim >= 2 else grad[None]
+    v2 = jnp.sum(g * g, axis=-1, keepdims=True)
+    limited = 2.0 * g / (1.0 + jnp.sqrt(1.0 + 2.0 * a * v2 * tau))
+    return limited.reshape(grad.shape)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class DMC:
+    """Fixed-node diffusion Monte Carlo of a real trial function (UNR 1993), on walker-sharded populations.
+
+    Args:
+        log_psi: ``log_psi(params, r)`` of ONE walker: the real ``log|psi|`` (``r`` of shape
+            ``(n_electrons, ndim)``; the drift is limited per row).
+        potential: ``potential(r)`` of one walker (for the default local energy,
+            ``-1/2 (lap log|psi| + |grad log|psi||^2) + V``, computed with ``log|psi|`` and its gradient in one
+            forward-Laplacian pass).
+        time_step: ``tau`` (hartree^-1), > 0. The bias is about linear in ``tau``: :func:`extrapolate`.
+        sign: ``sign(params, r)`` of one walker, the sign of ``psi`` (``+-1``); a move that changes it crosses
+            a node and is rejected (the fixed-node constraint). ``None``: ``psi`` has no node (a ground state
+            of bosons, or of two electrons of opposite spin), or ``log|psi|`` diverges there.
+        local_energy: ``local_energy(params, r)`` of one walker (or a walker-parallel kernel), instead of
+            ``potential``; ``log|psi|`` and its gradient are then computed with ``jax.value_and_grad``.
+        laplacian: ``"folx"`` (default) or ``"jvp"``, as ``sv.hamiltonian.local_energy``'s.
+        energy_cutoff: the local energy in the weights is clipped to ``E_T +- energy_cutoff / sqrt(tau)``
+            (UNR's ``2 / sqrt(tau)`` by default); ``None``: no clipping.
+        resample_threshold: resample when the weights' effective count ``(sum w)^2 / sum w^2`` falls below this
+            fraction of the population; ``1.0`` (default): every step.
+        limit_energy: UNR's damping of the local energy in the weights where the drift is limited,
+            ``S = E_T - (E_T - E_L) |vbar| / |v|`` (before the cutoff). Off by default: it removes the divergence
+            of ``E_L`` at a node, but near a nucleus, where the drift is large too, it adds a bias of order
+            ``tau`` (helium at ``tau = 0.1``: 0.004 Ha above the exact energy, against 0.0004 without it).
+        drift_scale: UNR's ``a`` of the drift limit (1: the plain limit).
+        halo: walkers each device sends to each neighbouring device when the copies move to their slots (see
+            the module); ``None``: ``32``, at most the walkers per device.
+        mesh: the mesh of the kernels (``None``: the mesh of the state's walkers, else as a kernel's).
+        axis_name: the walker axis (or axes) of the mesh.
+        batch_size: each device's walkers this many at a time in the move (bounds the Laplacian's memory).
+
+    Attributes:
+        move: the move and the weights as a walker-parallel kernel,
+            ``move(params, walkers, key, constants) -> (walkers, sums)`` (``sums``: the step's ``Sum``
+            statistics).
+        resample: the global comb as a ``batched=True`` kernel,
+            ``resample(walkers, u, resample, alive, population, halo) -> (walkers, fallback)``.
+        evaluate: ``evaluate(params, r) -> (walkers, sums)``: walkers of weight 1 at positions ``r``.
+
+    Raises:
+        CallError: ``time_step <= 0`` (or not a number), both or neither of ``potential`` and
+            ``local_energy``, an unknown ``laplacian``, a ``resample_threshold`` outside ``(0, 1]``, a
+            non-positive ``energy_cutoff``, ``drift_scale`` or ``halo``.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, shardvmc as sv
+        >>> dmc = sv.dmc.DMC(lambda p, r: -p * jnp.sum(r**2), lambda r: 0.5 * jnp.sum(r**2), time_step=0.02)
+        >>> walkers = sv.initialize_walkers_sharded(lambda k: jax.random.normal(k, (1, 3)), 13, key=jax.random.key(0))
+        >>> state = dmc.init(jnp.float32(0.3), walkers)  # a trial function that is not the ground state
+        >>> state, stats = dmc.step(state, jax.random.key(1))
+        >>> state.walkers.n_valid, sorted(stats)[:4]
+        (13, ['acceptance', 'effective_walkers', 'energy', 'error'])
+    """
+
+    log_psi: Callable[..., Any]
+    potential: Callable[..., Any] | None = None
+    time_step: float = 0.01
+    sign: Callable[..., Any] | None = None
+    local_energy: Callable[..., Any] | None = None
+    laplacian: str = "folx"
+    energy_cutoff: float | None = 2.0
+    resample_threshold: float = 1.0
+    limit_energy: bool = False
+    drift_scale: float = 1.0
+    halo: int | None = None
+    mesh: Mesh | None = None
+    axis_name: str | tuple[str, ...] = "walkers"
+    batch_size: int | str | None = None
+    move: WalkerParallel = dataclasses.field(init=False, repr=False)
+    resample: WalkerParallel = dataclasses.field(init=False, repr=False)
+    evaluate: WalkerParallel = dataclasses.field(init=False, repr=False)
+    _step: Callable[..., Any] = dataclasses.field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        tau = self.time_step
+        if isinstance(tau, bool) or not isinstance(tau, (int, float, np.floating, np.integer)) or not tau > 0:
+            raise CallError(
+                message(
+                    _WHERE,
+                    "time_step must be a positive number (hartree^-1).",
+                    got=repr(tau),
+                    fix="pass e.g. time_step=0.01; the time-step bias is about linear in it (sv.dmc.extrapolate).",
+                )
+            )
+        if not math.isfinite(float(tau)):
+            raise CallError(message(_WHERE, "time_step must be finite.", got=repr(tau)))
+        object.__setattr__(self, "time_step", float(tau))
+        if (self.potential is None) == (self.local_energy is None):
+            raise CallError(
+                message(
+                    _WHERE,
+                    "pass exactly one of potential= and local_energy=.",
+                    got=f"potential={self.potential!r}, local_energy={self.local_energy!r}",
+                    fix="pass potential=lambda r: ... (the local energy is then computed from log_psi), or your "
+                    "own local_energy(params, r).",
+                )
+            )
+        if self.laplacian not in LAPLACIANS:
+            raise CallError(
+                message(_WHERE, f"laplacian={self.laplacian!r} is not a known method.", expected=str(LAPLACIANS))
+            )
+        if not (isinstance(self.resample_threshold, (int, float)) and 0 < self.resample_threshold <= 1):
+            raise CallError(
+                message(
+                    _WHERE,
+                    "resample_threshold must be a fraction in (0, 1].",
+                    got=repr(self.resample_threshold),
+                    fix="1.0 resamples every step; 0.5 when the weights' effective count falls below half the walkers.",
+                )
+            )
+        if self.energy_cutoff is not None and not (
+            isinstance(self.energy_cutoff, (int, float)) and self.energy_cutoff > 0
+        ):
+            raise CallError(
+                message(_WHERE, "energy_cutoff must be a positive number or None.", got=repr(self.energy_cutoff))
+            )
+        if not (isinstance(self.drift_scale, (int, float)) and self.drift_scale > 0):
+            raise CallError(message(_WHERE, "drift_scale must be a positive number.", got=repr(self.drift_scale)))
+        if self.halo is not None and (isinstance(self.halo, bool) or not isinstance(self.halo, int) or self.halo < 1):
+            raise CallError(message(_WHERE, "halo must be a positive int or None.", got=repr(self.halo)))
+        options = {"mesh": self.mesh, "axis_name": self.axis_name}
+        evaluate_one = _make_evaluate(self.log_psi, self.sign, self.potential, self.local_energy, self.laplacian)
+        object.__setattr__(
+            self,
+            "move",
+            walker_parallel(batch_size=self.batch_size, **options)(
+                _make_move(evaluate_one, self.drift_scale, self.limit_energy)
+            ),
+        )
+        object.__setattr__(self, "resample", walker_parallel(batched=True, **options)(_resample))
+        object.__setattr__(
+            self, "evaluate", walker_parallel(batch_size=self.batch_size, **options)(_make_init(evaluate_one))
+        )
+        object.__setattr__(self, "_step", jax.jit(self._traced_step, static_argnames="mesh"))
+
+    def with_options(self, **changes: Any) -> DMC:
+        """The same DMC with other settings (any of the constructor's arguments), e.g. ``time_step=``.
+
+        Example:
+            >>> import jax.numpy as jnp, shardvmc as sv
+            >>> dmc = sv.dmc.DMC(lambda p, r: -jnp.sum(r**2), lambda r: 0.0 * jnp.sum(r), time_step=0.02)
+            >>> dmc.with_options(time_step=0.01).time_step
+            0.01
+        """
+        return dataclasses.replace(self, **changes)
+
+    def init(self, params: Any, walkers: Any = None) -> DMCState:
+        """The DMC state of walkers at ``walkers``' positions, each of weight 1, at ``params``.
+
+        Args:
+            params: the trial function's parameters; or a VMC state (``sv.driver.VMCState``, e.g.
+                ``result.state`` of a VMC run), whose parameters and sampler's walkers are then the start.
+            walkers: the walkers: a :class:`~shardvmc.WalkerSet` of positions (from
+                ``sv.initialize_walkers_sharded``) or of :class:`shardvmc.mcmc.Walker` (a sampler's), or an
+                array (all walkers valid). Their count is the population of the whole run.
+
+        Returns:
+            A :class:`DMCState`: ``log|psi|``, the drift and the local energy computed at every walker,
+            ``E_T`` their mean local energy.
+
+        Raises:
+            CallError: no walkers given, or ``log|psi|`` or the local energy not finite at any walker; a
+                ``log_psi`` that is not one real number per walker.
+        """
+        from ._vmc import VMCState  # (here: shardvmc.driver imports optax's pieces lazily)
+
+        if isinstance(params, VMCState) and walkers is None:
+            params, walkers = params.params, params.sampler.walkers
+        if walkers is None:
+            raise CallError(
+                message(
+                    "shardvmc.dmc.DMC.init",
+                    "no walkers given.",
+                    fix="pass dmc.init(params, walkers), or dmc.init(vmc_state) for a VMC run's state.",
+                )
+            )
+        if not isinstance(walkers, WalkerSet):
+            walkers = WalkerSet(walkers)
+        if isinstance(walkers.data, Walker):
+            walkers = WalkerSet(walkers.data.r, walkers.n_valid)
+        mesh = self.mesh if self.mesh is not None else mesh_of_arrays(walkers.data, self.axis_name)
+        params = replicate(params, mesh) if mesh is not None else params
+        evaluated, sums = self.evaluate(params, walkers)
+        finite = sums["finite"]
+        if not tracing() and not finite.is_fully_addressable:  # (a multi-process run: this process's copy)
+            finite = finite.addressable_data(0)
+        if not tracing() and not float(finite) > 0:
+            raise CallError(
+                message(
+                    "shardvmc.dmc.DMC.init",
+                    "log|psi| or the local energy is not finite at any walker.",
+                    got=f"{walkers.n_valid} walkers, none finite",
+                    fix="start from walkers where psi is not 0 (e.g. a VMC run's), and check log_psi and the "
+                    "potential there.",
+                )
+            )
+        dtype = evaluated.data.local_energy.dtype
+        e_t = sums["energy"] / jnp.maximum(sums["finite"], 1)
+        scalars = (e_t.astype(dtype), jnp.zeros((), dtype), jnp.zeros((), dtype), jnp.zeros((), jnp.int32))
+        if mesh is not None and not tracing():
+            scalars = replicate(scalars, mesh)
+        return DMCState(params, evaluated, *scalars)
+
+    def step(self, state: DMCState, key: jax.Array) -> tuple[DMCState, dict[str, jax.Array]]:
+        """One DMC step: every walker moved, weighted, and the population resampled: ``(state, stats)``.
+
+        One jitted program (no host round trip); :func:`shardvmc.driver.run` runs it
+        (``sv.driver.run(dmc.step, state, n_steps, key=...)``) with checkpoints and resume on any device count.
+        With ``mesh=None`` it computes on the mesh of ``state``'s walkers.
+
+        Args:
+            state: the state (from :meth:`init` or the last step).
+            key: ONE key for this step (walker ``i`` moves with ``fold_in(key, i)``).
+
+        Returns:
+            The new state, and the step's statistics (replicated scalars): ``energy`` (the step's mixed
+            estimate ``sum w E_L / sum w``), ``error`` (``sqrt(variance / effective walkers)``, the step's own,
+            not the run's), ``variance`` (of the local energy, weighted), ``growth_energy``
+            (``E_T - log(mean weight) / tau_eff``), ``trial_energy`` (``E_T``), ``tau_eff``, ``acceptance``,
+            ``effective_walkers`` (``(sum w)^2 / sum w^2``), ``nonfinite`` (walkers whose weight or local
+            energy was not finite: weight 0), ``node_crossings`` (moves rejected for crossing a node),
+            ``rejected_nonfinite`` (moves rejected because ``log|psi|``, its gradient or ``E_L`` was not finite
+            at the proposed positions),
+            ``resampled`` (1 when the comb ran) and ``fallback`` (1 when the copies moved by an all-gather).
+            :func:`energy` makes the run's estimate from them.
+        """
+        mesh = self.mesh
+        if mesh is None:
+            mesh = mesh_of_arrays(state.walkers.data, self.axis_name)
+        return self._step(state, key, mesh=mesh)
+
+    def _traced_step(self, state: DMCState, key: jax.Array, mesh: Mesh | None) -> tuple[DMCState, dict[str, jax.Array]]:
+        with contextlib.nullcontext() if mesh is None else use_mesh(mesh):
+            return self._step_on_mesh(state, key)
+
+    def _step_on_mesh(self, state: DMCState, key: jax.Array) -> tuple[DMCState, dict[str, jax.Array]]:
+        walkers = state.walkers
+        n = walkers.n_valid
+        dtype = walkers.data.local_energy.dtype
+        tau = jnp.asarray(self.time_step, dtype)
+        # UNR's running effective time step: the accepted share of the diffusion, accumulated over the run
+        # (before the first step: tau itself)
+        tau_eff = jnp.where(state.proposed_r2 > 0, tau * state.accepted_r2 / state.proposed_r2, tau)
+        e_t = state.trial_energy
+        e_cut = jnp.asarray(
+            jnp.inf if self.energy_cutoff is None else self.energy_cutoff / math.sqrt(self.time_step), dtype
+        )
+        constants = {"tau": tau, "tau_eff": tau_eff, "trial_energy": e_t, "cutoff": e_cut}
+        k_move, k_comb = jax.random.fold_in(key, 0), jax.random.fold_in(key, 1)
+        moved, sums = self.move(state.params, walkers, k_move, constants)
+        total = sums["weight"]
+        mean_weight = total / n
+        # No move accepted in the whole run (tau_eff = 0): the population cannot diffuse, nothing is estimated.
+        energy = jnp.where(tau_eff > 0, sums["weighted_energy"] / total, jnp.nan)
+        variance = jnp.maximum(sums["weighted_energy2"] / total - energy**2, 0.0)
+        effective = total**2 / sums["weight2"]
+        # Not finite when every weight is 0 (a collapsed population): the statistics say so (energy nan), and
+        # the walkers are kept as they were, with weight 1.
+        alive = jnp.isfinite(total) & (total > 0) & jnp.isfinite(energy)
+        resample = alive & (True if self.resample_threshold >= 1 else effective < self.resample_threshold * n)
+        u = jax.random.uniform(k_comb, (), dtype)
+        halo = self.halo if self.halo is not None else 32
+        resampled, fallback = self.resample(moved, u, resample, alive, n, halo)
+        growth = e_t - jnp.log(mean_weight) / tau_eff
+        # E_T: the mean of the mixed estimates over about one hartree^-1 of imaginary time (at least 10 steps,
+        # at most 1000): it centres the cutoff; with a fixed population it does not change the walk.
+        memory = min(max(10, math.ceil(1.0 / self.time_step)), 1000)
+        count = state.steps.astype(dtype) + 1
+        rate = 1.0 / jnp.minimum(count, memory)
+        e_t_new = jnp.where(alive, e_t + rate * (energy - e_t), e_t)
+        new = DMCState(
+            state.params,
+            resampled,
+            e_t_new.astype(dtype),
+            (state.accepted_r2 + sums["accepted_r2"]).astype(dtype),
+            (state.proposed_r2 + sums["proposed_r2"]).astype(dtype),
+            state.steps + 1,
+        )
+        stats = {
+            "energy": energy,
+            "error": jnp.sqrt(variance / effective),
+            "variance": variance,
+            "growth_energy": growth,
+            "trial_energy": e_t,
+            "tau_eff": tau_eff,
+            "acceptance": sums["accepted"] / n,
+            "effective_walkers": effective,
+            "nonfinite": sums["nonfinite"],
+            "node_crossings": sums["node_crossings"],
+            "rejected_nonfinite": sums["rejected_nonfinite"],
+            "resampled": resample.astype(dtype),
+            "fallback": fallback,
+        }
+        return new, stats
+
+
+# ----------------------------------------------------------------------------- the per-walker pieces
+
+
+def _make_evaluate(
+    log_psi: Callable[..., Any],
+    sign: Callable[..., Any] | None,
+    potential: Callable[..., Any] | None,
+    local_energy: Callable[..., Any] | None,
+    laplacian: str,
+) -> Callable[..., tuple[jax.Array, jax.Array, jax.Array, jax.Array]]:
+    """``evaluate(params, x) -> (log|psi|, sign, grad log|psi|, E_L)`` of one walker at positions ``x``."""
+
+    def value(params: Any, x: jax.Array) -> jax.Array:
+        out = log_psi_value(log_psi, params, x, _WHERE)
+        if jnp.iscomplexobj(out):
+            raise CallError(
+                message(
+                    _WHERE,
+                    "log_psi returned a complex number: fixed-node DMC needs a real log|psi| (and sign=).",
+                    got=describe(out),
+                    fix="return log|psi| (jnp.real of a complex log psi is not enough: the phase would be lost); a "
+                    "complex trial function needs fixed-phase DMC, which shardvmc.dmc does not do.",
+                )
+            )
+        return out.astype(x.dtype)
+
+    def evaluate(params: Any, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+        shape = x.shape
+        s = jnp.ones((), x.dtype) if sign is None else jnp.sign(jnp.asarray(sign(params, x))).astype(x.dtype)
+        if local_energy is not None:
+            lp, g = jax.value_and_grad(value, argnums=1)(params, x)
+            return lp, s, g, jnp.asarray(local_energy(params, x)).astype(x.dtype)
+
+        def flat_value(flat: jax.Array) -> jax.Array:
+            return value(params, flat.reshape(shape))
+
+        flat = x.reshape(-1)
+        if laplacian == "folx":
+            # log|psi|, its gradient (the drift) and its Laplacian in one forward pass
+            out = folx.forward_laplacian(flat_value)(flat)
+            lp, g, lap = out.x, out.jacobian.dense_array, out.laplacian
+        else:
+            lap, g = laplacian_and_gradient(flat_value, flat, laplacian, 0)
+            lp = flat_value(flat)
+        assert potential is not None
+        e = -0.5 * (lap + jnp.sum(g * g)) + jnp.asarray(potential(x)).astype(x.dtype)
+        return lp, s, g.reshape(shape), e
+
+    return evaluate
+
+
+def _make_init(evaluate: Callable[..., Any]) -> Callable[..., Any]:
+    def init(params: Replicated[Any], r: PerWalker[jax.Array]) -> tuple[PerWalker[DMCWalker], Sum[dict]]:
+        x = float_positions(r)
+        lp, s, g, e = evaluate(params, x)
+        finite = jnp.isfinite(lp) & jnp.isfinite(e) & jnp.all(jnp.isfinite(g))
+        walker = DMCWalker(x, lp, s, g, e, jnp.ones((), x.dtype))
+        return walker, {"energy": jnp.where(finite, e, 0.0), "finite": finite.astype(x.dtype)}
+
+    init.__qualname__ = "DMC.evaluate"
+    return init
+
+
+def _make_move(evaluate: Callable[..., Any], a: float, limit_energy: bool) -> Callable[..., Any]:
+    def move(
+        params: Replicated[Any], w: PerWalker[DMCWalker], key: WalkerKey, c: Replicated[dict]
+    ) -> tuple[PerWalker[DMCWalker], Sum[dict]]:
+        x = w.r
+        dtype = x.dtype
+        tau, tau_eff = c["tau"].astype(dtype), c["tau_eff"].astype(dtype)
+        k_move, k_accept = jax.random.split(key)
+        chi = jax.random.normal(k_move, x.shape, dtype)
+        step = tau * _limited_drift(w.grad, tau, a) + jnp.sqrt(tau) * chi
+        y = x + step
+        lp_y, s_y, g_y, e_y = evaluate(params, y)
+        # the Green's function ratio G(x <- y) / G(y <- x) of the drift-diffusion proposal
+        back = x - y - tau * _limited_drift(g_y, tau, a)
+        log_ratio = 2.0 * (lp_y - w.log_psi) + (jnp.sum(chi * chi) * tau - jnp.sum(back * back)) / (2.0 * tau)
+        finite_y = jnp.isfinite(lp_y) & jnp.isfinite(e_y) & jnp.all(jnp.isfinite(g_y))
+        same_side = s_y == w.sign
+        p = jnp.where(finite_y & same_side, jnp.exp(jnp.minimum(log_ratio, 0.0)), 0.0)
+        p = jnp.where(jnp.isfinite(p), p, 0.0)
+        accept = jax.random.uniform(k_accept, (), dtype) < p
+        new = DMCWalker(
+            jnp.where(accept, y, x),
+            jnp.where(accept, lp_y, w.log_psi),
+            jnp.where(accept, s_y, w.sign),
+            jnp.where(accept, g_y, w.grad),
+            jnp.where(accept, e_y, w.local_energy),
+            w.weight,
+        )
+        e_t, cut = c["trial_energy"].astype(dtype), c["cutoff"].astype(dtype)
+
+        def branching_energy(e: jax.Array, g: jax.Array) -> jax.Array:
+            if limit_energy:  # UNR: E_T - (E_T - E_L) |vbar| / |v|, damped where the drift is limited
+                v2 = jnp.sum(g * g)
+                vbar = _limited_drift(g, tau, a)
+                ratio = jnp.where(v2 > 0, jnp.sqrt(jnp.sum(vbar * vbar) / jnp.where(v2 > 0, v2, 1.0)), 1.0)
+                e = e_t - (e_t - e) * ratio
+            return jnp.clip(e, e_t - cut, e_t + cut)
+
+        s_old = branching_energy(w.local_energy, w.grad)
+        s_new = branching_energy(new.local_energy, new.grad)
+        weight = w.weight * jnp.exp(tau_eff * (e_t - 0.5 * (s_old + s_new)))
+        good = jnp.isfinite(weight) & jnp.isfinite(new.local_energy) & jnp.isfinite(new.log_psi)
+        weight = jnp.where(good, weight, 0.0)
+        e = jnp.where(good, new.local_energy, 0.0)
+        dr2 = jnp.where(jnp.isfinite(step).all(), jnp.sum(step * step), 0.0)
+        w_old = jnp.where(jnp.isfinite(w.weight), w.weight, 0.0)
+        sums = {
+            "weight": weight,
+            "weight2": weight * weight,
+            "weighted_energy": weight * e,
+            "weighted_energy2": weight * e * e,
+            "accepted": accept.astype(dtype),
+            "accepted_r2": w_old * p * dr2,
+            "proposed_r2": w_old * dr2,
+            "nonfinite": (~good).astype(dtype),
+            "rejected_nonfinite": (~finite_y).astype(dtype),
+            "node_crossings": (finite_y & ~same_side).astype(dtype),
+        }
+        return new._replace(weight=weight), sums
+
+    move.__qualname__ = "DMC.move"
+    return move
+
+
+# ----------------------------------------------------------------------------- the global comb
+
+
+def _resample(
+    w: PerWalker[DMCWalker],
+    u: Replicated[jax.Array],
+    resample: Replicated[jax.Array],
+    alive: Replicated[jax.Array],
+    population: Static[int],
+    halo: Static[int],
+) -> tuple[PerWalker[DMCWalker], Mean[jax.Array]]:
+    """The comb over the global population, in walker-index order, from this device's block of walkers.
+
+    Slot ``m`` (``m < population``) takes a copy of walker ``i`` when the comb's tooth ``(m + u) W / population``
+    falls in walker ``i``'s share ``[C_{i-1}, C_i)`` of the prefix sums ``C`` of the weights (total ``W``).
+    Each device needs only the offset of its block in the global prefix sum: an all-gather of one total per
+    device. The slots' sources are then found among this device's walkers and a halo of ``halo`` walkers of
+    each neighbouring device (one ``ppermute`` each way); when some slot's source is farther, every device
+    all-gathers the whole population instead (``fallback``, counted). Padding slots keep their own walker.
+    """
+    body = current_body()
+    assert body is not None
+    axes = body.axes
+    n = w.weight.shape[0]
+    dtype = w.weight.dtype
+    d = jax.lax.axis_index(axes)
+    n_dev = jax.lax.axis_size(axes)
+    slots = d * n + jnp.arange(n)
+    valid = slots < population
+    weight = jnp.where(valid & jnp.isfinite(w.weight), w.weight, 0.0)
+    local = jnp.cumsum(weight)
+    totals = jax.lax.all_gather(local[-1], axes)  # (devices,): this device's offset in the global prefix sum
+    inclusive = jnp.cumsum(totals)
+    exclusive = jnp.concatenate([jnp.zeros((1,), dtype), inclusive[:-1]])
+    total = inclusive[-1]
+    # every device computes its ends from the same gathered totals: the boundary values agree bit for bit
+    prefix = (exclusive[d] + local).at[-1].set(inclusive[d])
+    scale = population / total
+
+    def teeth_below(c: jax.Array) -> jax.Array:
+        """How many teeth ``(m + u) W / population`` lie below ``c``: the first slot after walker ``c``'s share."""
+        count = jnp.ceil(c * scale - u)
+        return jnp.clip(jnp.where(jnp.isfinite(count), count, 0), 0, population).astype(jnp.int32)
+
+    ends = jax.lax.cummax(teeth_below(prefix))
+    starts = jnp.concatenate([teeth_below(exclusive[d])[None], ends[:-1]])
+    own = (w, starts, ends)
+    h = min(halo, n)
+
+    def take(tree: Any, index: jax.Array) -> Any:
+        return jax.tree_util.tree_map(lambda x: jnp.take(x, index, axis=0), tree)
+
+    def join(*trees: Any) -> Any:
+        return jax.tree_util.tree_map(lambda *xs: jnp.concatenate(xs, axis=0), *trees)
+
+    if n_dev > 1:
+        forward = [(i, i + 1) for i in range(n_dev - 1)]
+        backward = [(i + 1, i) for i in range(n_dev - 1)]
+        left = jax.lax.ppermute(jax.tree_util.tree_map(lambda x: x[n - h :], own), axes, forward)
+        right = jax.lax.ppermute(jax.tree_util.tree_map(lambda x: x[:h], own), axes, backward)
+        # beyond the first and the last device: empty shares before every slot, and after every valid one
+        left = (left[0], jnp.where(d == 0, 0, left[1]), jnp.where(d == 0, 0, left[2]))
+        last = d == n_dev - 1
+        right = (right[0], jnp.where(last, population, right[1]), jnp.where(last, population, right[2]))
+        window = join(left, own, right)
+    else:
+        window = own
+    source = jnp.searchsorted(window[2], slots, side="right")
+    inside = jnp.minimum(source, window[2].shape[0] - 1)
+    found = (source < window[2].shape[0]) & (window[1][inside] <= slots)
+    missing = jnp.sum(valid & ~found)
+    use_halo = jax.lax.psum(missing, axes) == 0 if n_dev > 1 else jnp.array(True)
+
+    def from_window(_: Any) -> DMCWalker:
+        return take(window[0], inside)
+
+    def from_everyone(_: Any) -> DMCWalker:
+        everyone = jax.tree_util.tree_map(lambda x: jax.lax.all_gather(x, axes, tiled=True), w)
+        all_ends = jax.lax.all_gather(ends, axes, tiled=True)
+        index = jnp.minimum(jnp.searchsorted(all_ends, slots, side="right"), all_ends.shape[0] - 1)
+        return take(everyone, index)
+
+    if n_dev > 1:
+        copies = jax.lax.cond(use_halo | ~resample, from_window, from_everyone, None)
+    else:
+        copies = from_window(None)
+    ones = jnp.ones((n,), dtype)
+    keep_slot = ~valid | ~resample
+    rows = lambda m, a, b: jnp.where(m.reshape(m.shape + (1,) * (a.ndim - 1)), a, b)  # noqa: E731
+    out = jax.tree_util.tree_map(lambda a, b: rows(keep_slot, a, b), w, copies)
+    # weights: 1 after a comb; else normalised to a mean of 1; 1 again after a collapse (nothing left to weigh)
+    normalised = jnp.where(alive, weight * (population / total), 1.0)
+    out = out._replace(weight=jnp.where(resample | ~valid, ones, normalised))
+    fallback = (~use_halo & resample).astype(dtype)
+    return out, jnp.full((n,), fallback)  # a Mean of a block: the flag
+
+
+# ----------------------------------------------------------------------------- the estimator
+
+
+def _column(history: Mapping[str, Any], name: str) -> np.ndarray:
+    if name not in history:
+        raise CallError(
+            message(
+                "shardvmc.dmc.energy",
+                f"history has no {name!r} statistic.",
+                got=f"statistics {sorted(history)}",
+                fix="pass the history of a DMC run (sv.driver.run(dmc.step, ...).history, or sv.driver.read_log of "
+                "its log).",
+            )
+        )
+    return np.asarray(history[name], np.float64).reshape(-1)
+
+
+def energy(
+    history: Any,
+    *,
+    discard: int | float = 0.2,
+    population_steps: int | None = None,
+) -> Stats:
+    """The run's mixed estimate of the energy and its error bar, from its steps' statistics.
+
+    ``E = sum_k P_k w_k E_k / sum_k P_k w_k`` over the steps ``k`` kept, with ``E_k`` the step's mixed estimate
+    and ``P_k`` the product of the steps' mean weights at a fixed trial energy over the last
+    ``population_steps`` steps (UNR 1993): ``log P_k = sum_{j=k-T_p+1}^{k} tau_eff_j (E_0 - growth_energy_j)``.
+    It undoes the bias of keeping the population fixed (of order ``1 / walkers``); ``population_steps=0``
+    leaves it in. The error bar is that of the mean of ``P_k (E_k - E) / mean(P)``, a series of the steps,
+    from :func:`shardvmc.statistics` (its autocorrelation time included).
+
+    Args:
+        history: the statistics of a DMC run: :class:`shardvmc.driver.RunResult`, its ``history``, or
+            ``sv.driver.read_log`` of its log.
+        discard: the steps left out at the start (equilibration): a count, or a fraction of the steps (a float
+            below 1).
+        population_steps: ``T_p``; ``None``: about ``2 / tau`` steps (two hartree^-1 of imaginary time), at most
+            a tenth of the steps kept.
+
+    Returns:
+        A :class:`~shardvmc.Stats` (host values): ``mean`` the energy, ``error_of_mean`` its error,
+        ``variance`` the mean variance of the local energy, ``tau_corr``, ``R_hat`` and ``ess`` of the steps'
+        series.
+
+    Raises:
+        CallError: a history without the DMC statistics, or fewer than 4 steps left.
+
+    Example:
+        >>> import numpy as np, shardvmc as sv
+        >>> steps = 200
+        >>> history = {"energy": np.full(steps, -2.9), "growth_energy": np.full(steps, -2.9),
+        ...            "tau_eff": np.full(steps, 0.01), "variance": np.full(steps, 0.1)}
+        >>> round(float(sv.dmc.energy(history).mean), 6)
+        -2.9
+    """
+    history = getattr(history, "history", history)
+    e = _column(history, "energy")
+    growth = _column(history, "growth_energy")
+    tau_eff = _column(history, "tau_eff")
+    variance = _column(history, "variance") if "variance" in history else np.full_like(e, np.nan)
+    n = e.shape[0]
+    first = int(round(discard * n)) if isinstance(discard, float) and discard < 1 else int(discard)
+    if n - first < 4:
+        raise CallError(
+            message(
+                "shardvmc.dmc.energy",
+                "fewer than 4 steps are left after the equilibration steps.",
+                got=f"{n} steps, discard={discard!r}",
+                fix="run more steps, or pass a smaller discard=.",
+            )
+        )
+    if population_steps is None:
+        tau = float(np.nanmedian(tau_eff[first:]))
+        population_steps = min(math.ceil(2.0 / tau), max((n - first) // 10, 1))
+    t_p = int(population_steps)
+    e0 = float(np.mean(growth[first:]))
+    log_factor = np.concatenate([[0.0], np.cumsum(tau_eff * (e0 - growth))])
+    index = np.arange(first, n)
+    log_p = log_factor[index + 1] - log_factor[np.maximum(index + 1 - t_p, 0)] if t_p > 0 else np.zeros(n - first)
+    p = np.exp(log_p - np.max(log_p))
+    p /= np.mean(p)
+    kept = e[first:]
+    mean = float(np.sum(p * kept) / np.sum(p))
+    y = p * (kept - mean)  # the linearised ratio estimator: its mean's error is E's
+    with use_mesh(create_mesh(jax.local_devices()[:1])):  # a host series: this process's first device
+        stats = statistics(np.asarray(y[None, :]))
+    stats = jax.tree_util.tree_map(lambda v: np.asarray(v, np.float64), stats)
+    return dataclasses.replace(stats, mean=np.float64(mean), variance=np.float64(np.nanmean(variance[first:])))
+
+
+def extrapolate(time_steps: Any, energies: Any) -> tuple[float, float]:
+    """The energy at zero time step from DMC energies at several: a weighted linear fit ``E(tau) = E_0 + b tau``.
+
+    DMC's time-step bias is linear in ``tau`` for small ``tau`` (UNR's Green's function with Metropolis
+    acceptance: its error is ``O(tau)`` in the energy, and small); two or more time steps fix the line.
+
+    Args:
+        time_steps: the time steps ``tau`` (at least 2 different ones).
+        energies: for each, a :class:`~shardvmc.Stats` (from :func:`energy`) or a pair ``(mean, error)``.
+
+    Returns:
+        ``(E_0, error)``: the intercept and its standard error (from the energies' error bars).
+
+    Example:
+        >>> import shardvmc as sv
+        >>> e0, err = sv.dmc.extrapolate([0.02, 0.01], [(-2.9017, 0.001), (-2.9027, 0.001)])
+        >>> round(e0, 4), round(err, 4)
+        (-2.9037, 0.0022)
+    """
+    tau = np.asarray(time_steps, np.float64).reshape(-1)
+    pairs = [
+        (float(s.mean), float(s.error_of_mean)) if isinstance(s, Stats) else tuple(map(float, s)) for s in energies
+    ]
+    if len(pairs) != tau.shape[0] or np.unique(tau).shape[0] < 2:
+        raise CallError(
+            message(
+                "shardvmc.dmc.extrapolate",
+                "needs one energy per time step, and at least 2 different time steps.",
+                got=f"{tau.shape[0]} time steps ({np.unique(tau).shape[0]} different), {len(pairs)} energies",
+            )
+        )
+    e = np.array([m for m, _ in pairs])
+    err = np.array([s for _, s in pairs])
+    if not np.all(err > 0):
+        raise CallError(
+            message("shardvmc.dmc.extrapolate", "every error bar must be positive.", got=repr(err.tolist()))
+        )
+    a = np.stack([np.ones_like(tau), tau], axis=1) / err[:, None]
+    cov = np.linalg.inv(a.T @ a)
+    coef = cov @ (a.T @ (e / err))
+    return float(coef[0]), float(math.sqrt(cov[0, 0]))
