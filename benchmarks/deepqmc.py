@@ -50,6 +50,12 @@ Usage (from the repository root, after ``pip install -e ".[bench]"``)::
     DEEPQMC_PYTHON=~/venvs/deepqmc-1.2/bin/python python benchmarks/deepqmc.py   # 1 and 8 devices
     python benchmarks/deepqmc.py --devices 8 --rounds 20 --block 2 --walkers 128 --trajectory ""
     python benchmarks/deepqmc.py --smoke     # shardvmc's side only, tiny, a stand-in network: no DeepQMC needed
+    DEEPQMC_PYTHON=... python benchmarks/deepqmc.py --train 300 --trajectory "" --plot lih.png  # time to accuracy
+
+``--train N`` trains both sides N steps from the same parameters, one step of each in turn, every
+step timed (the first with its compilation), and prints when each first reaches DeepQMC's final
+energy (the mean of its last 20 % of steps; "reached" is the 20-step running mean at or below it):
+shardvmc's time over DeepQMC's is the time-to-accuracy ratio; ``--plot`` draws both curves.
 """
 
 import argparse
@@ -103,6 +109,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--trajectory-steps", type=int, default=4, help="optimisation steps of that check")
     parser.add_argument("--deepqmc-python", default=os.environ.get("DEEPQMC_PYTHON", sys.executable))
     parser.add_argument("--smoke", action="store_true", help="shardvmc's side only, tiny, with a stand-in network")
+    parser.add_argument("--train", type=int, default=0, help="time to accuracy: train both sides this many steps")
+    parser.add_argument("--plot", default="", help="with --train: the energy against wall time, to this PNG")
     parser.add_argument("--json", default="", help="also write the results to this JSON file")
     # internal: one device count (--child), DeepQMC's worker (--worker), one trajectory (--trajectory-child)
     parser.add_argument("--child", type=int, default=0, help=argparse.SUPPRESS)
@@ -483,14 +491,21 @@ def child(args: argparse.Namespace) -> int:
         sides = {"shardvmc": lambda: timed(lambda: sv_job["run"](args.block))}
         if trains:
             sides["deepqmc"] = lambda: ask(proc, cmd="run", steps=args.block)["seconds"]
-        times = alternate(sides, args.rounds)
+        if args.train:  # time to accuracy: one step of each side in turn, every step timed, no pieces
+            assert proc is None or trains, row["deepqmc"].get("error")
+            args.block, args.piece_reps = 1, 0
+            first = {"shardvmc": row["shardvmc"]["first_step_s"], "deepqmc": (row.get("deepqmc") or {}).get(
+                "first_step_s", 0.0)}  # fmt: skip
+            seconds = alternate(sides, args.train - 1, warm_up=0)
+            row["train"] = {name: [first[name], *t] for name, t in seconds.items()}
+        times = alternate(sides, args.rounds) if not args.train else {k: v[1:] for k, v in row["train"].items()}
         row["shardvmc"]["step_ms"] = 1e3 * statistics.median(times["shardvmc"]) / args.block
         if trains:
             row["deepqmc"]["step_ms"] = 1e3 * statistics.median(times["deepqmc"]) / args.block
             row["ratio"] = quartiles([a / b for a, b in zip(times["shardvmc"], times["deepqmc"])])
         # the pieces, interleaved the same way (one call per side per repetition, after one call each)
         row["pieces"] = {}
-        for name, fn in sv_job["pieces"].items():
+        for name, fn in sv_job["pieces"].items() if not args.train else ():
             theirs = PARTNER.get(name, name) if proc is not None else None  # DeepQMC's piece that does the same
             theirs = theirs if proc is not None and theirs in row["deepqmc"]["pieces"] else None
             piece = {"shardvmc": lambda fn=fn: timed(fn)}
@@ -503,11 +518,15 @@ def child(args: argparse.Namespace) -> int:
                 entry["ratio"] = quartiles([a / b for a, b in zip(t["shardvmc"], t["deepqmc"])])
             row["pieces"][name] = entry
         row["shardvmc"].update(energy=energy_stats(sv_job["energies"]), peak_rss_mib=peak_rss_mib())
+        if args.train:
+            row["shardvmc"]["energies"] = sv_job["energies"]
         if proc is not None:
             done = ask(proc, cmd="finish")
             row["deepqmc"]["peak_rss_mib"] = done["peak_rss_mib"]
             if done["energies"]:
                 row["deepqmc"]["energy"] = energy_stats(done["energies"])
+                if args.train:
+                    row["deepqmc"]["energies"] = done["energies"]
     finally:
         if proc is not None:
             proc.stdin.close()
@@ -528,10 +547,10 @@ def timed(fn: Any) -> float:
     return time.perf_counter() - start
 
 
-def alternate(sides: dict[str, Any], rounds: int) -> dict[str, list[float]]:
-    """Seconds of each side per round, the sides in turn (order reversed every other round), after 2 warm-ups."""
+def alternate(sides: dict[str, Any], rounds: int, warm_up: int = 2) -> dict[str, list[float]]:
+    """Seconds of each side per round, the sides in turn (order reversed every other round), after warm-ups."""
     names = list(sides)
-    for _ in range(2):
+    for _ in range(warm_up):
         for name in names:
             sides[name]()
     times: dict[str, list[float]] = {name: [] for name in names}
@@ -558,6 +577,7 @@ def run_child(flag: str, devices: int, args: argparse.Namespace, *extra: str) ->
     cmd = [sys.executable, str(HERE), flag, str(devices), "--walkers", str(args.walkers), "--rounds", str(args.rounds)]
     cmd += ["--block", str(args.block), "--piece-reps", str(args.piece_reps), "--deepqmc-python", args.deepqmc_python]
     cmd += ["--trajectory-walkers", str(args.trajectory_walkers), "--trajectory-steps", str(args.trajectory_steps)]
+    cmd += ["--train", str(args.train)]
     cmd += [*extra, *(["--smoke"] if args.smoke else [])]
     out = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, timeout=3600)
     rows = [json.loads(line[2:]) for line in out.stdout.splitlines() if line.startswith("@@")]
@@ -645,6 +665,60 @@ def report(rows: list[dict], traj: dict | None, lines: dict[str, int], args: arg
                                           f"{t['params_max_diff']:.2e}")  # fmt: skip
                 print(f"  {optimiser}, {n} devices: {what}")
     print(f"\nlines of user code (the ansatz's config counted for both): {lines}")
+    if any("train" in row for row in rows):
+        time_to_accuracy(rows, args.plot)
+
+
+def reached(energies: list[float], seconds: list[float], target: float, window: int = 20) -> float | None:
+    """The wall time at which the ``window``-step running mean of ``energies`` first reaches ``target``."""
+    total = 0.0
+    for i, (e, t) in enumerate(zip(energies, seconds)):
+        total += t
+        if i + 1 >= window and sum(energies[i + 1 - window : i + 1]) / window <= target:
+            return total
+    return None
+
+
+def time_to_accuracy(rows: list[dict], plot: str) -> None:
+    """DeepQMC's final energy (the mean of its last 20 % of steps) and when each side first reaches it."""
+    print("\n| devices | steps | DeepQMC's final energy | reached: shardvmc (s) | DeepQMC (s) | ratio |")
+    print("|---|---|---|---|---|---|")
+    curves = []
+    for row in rows:
+        if "train" not in row or "deepqmc" not in row["train"]:
+            continue
+        energies = {"shardvmc": row["shardvmc"]["energies"], "deepqmc": row["deepqmc"]["energies"]}
+        tail = energies["deepqmc"][-max(1, len(energies["deepqmc"]) // 5) :]
+        target = sum(tail) / len(tail)
+        when = {side: reached(energies[side], row["train"][side], target) for side in energies}
+        ratio = f"{when['shardvmc'] / when['deepqmc']:.3f}" if when["shardvmc"] and when["deepqmc"] else "-"
+        fmt = {side: f"{t:.0f}" if t else "not reached" for side, t in when.items()}
+        print(f"| {row['devices']} | {len(energies['deepqmc'])} | {target:.4f} | {fmt['shardvmc']} | "
+              f"{fmt['deepqmc']} | {ratio} |")  # fmt: skip
+        curves.append((row["devices"], energies, row["train"], target))
+    if plot and curves:
+        import itertools
+
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(8, 4.5))
+        for devices, energies, seconds, target in curves:
+            for side, style in (("shardvmc", "-"), ("deepqmc", "--")):
+                t = list(itertools.accumulate(seconds[side]))
+                e = energies[side]
+                mean = [sum(e[max(0, i - 19) : i + 1]) / len(e[max(0, i - 19) : i + 1]) for i in range(len(e))]
+                ax.plot(t, mean, style, label=f"{side}, {devices} device{'s' * (devices > 1)} (20-step mean)")
+            ax.axhline(target, color="grey", lw=0.8)
+        ax.set_xlabel("wall time (s, first step's compilation included)")
+        ax.set_ylabel("energy (Ha)")
+        ax.set_title(f"{MOLECULE}: KFAC, DeepQMC's settings and clipping, both sides")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(plot, dpi=110)
+        print(f"plot: {plot}")
 
 
 if __name__ == "__main__":
