@@ -475,7 +475,7 @@ def child(args: argparse.Namespace) -> int:
     sv_job = shardvmc_job(args.walkers, args.smoke)
     proc = None
     if not args.smoke:
-        r_check = np.asarray(sv_job["box"]["state"].walkers.data.r[:4])
+        r_check = np.asarray(sv_job["box"]["state"].sampler.walkers.data.r[:4])
         mine = np.asarray(jax.vmap(lambda r: sv_job["log_psi"](sv_job["params0"], r))(r_check))
         with tempfile.NamedTemporaryFile(suffix=".pkl", delete=False) as f:
             pickle.dump(jax.tree_util.tree_map(np.asarray, sv_job["params0"]), f)

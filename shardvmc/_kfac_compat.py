@@ -269,13 +269,14 @@ def _install() -> None:
 
 def _zero_rows(tree: Any, rows: _Rows, n: int) -> Any:
     """``tree`` with the padding rows of every array whose leading axis is the block's ``n`` rows zeroed."""
-    if rows.valid is None:
+    valid = rows.valid
+    if valid is None:
         return tree
 
     def zero(x: Any) -> Any:
         if not isinstance(x, jax.Array) or x.ndim == 0 or x.shape[0] != n:
             return x
-        keep = rows.valid.reshape((n,) + (1,) * (x.ndim - 1))
+        keep = valid.reshape((n,) + (1,) * (x.ndim - 1))
         return jnp.where(keep, x, jnp.zeros((), x.dtype))
 
     return jax.tree_util.tree_map(zero, tree)
