@@ -5,6 +5,7 @@
         python benchmarks/checkpoint.py io --dir /tmp/ckpt2x2   # 2 x 2 processes: save, restore on 2 x 2
     python benchmarks/checkpoint.py io --restore-only --dir /tmp/ckpt2x2 --devices 3   # that one, on 1 x 3
     python benchmarks/checkpoint.py steps                   # the neural example's step, saves every 10 steps vs none
+    python benchmarks/checkpoint.py history                 # sv.driver.run's saves at step 1,000 and at 100,000
 
 ``io``: a state of 65,536 walkers of 16 electrons in float64 (a ``WalkerSet``, 25.2 MB)
 plus 10^6 float64 parameters with an optax Adam state (24 MB), the step and a key, saved
@@ -23,6 +24,17 @@ imported from the example by file path) in
 blocks of 20 steps, with a ``sv.Checkpointer`` save of the whole state every 10 steps
 and without, the two blocks interleaved (the order reversed every other repetition);
 the figure is the median over repetitions of the per-block ratio of step times.
+
+``history``: what a save of ``sv.driver.run`` costs late in a long run, of a trivial step (a counter, three
+statistics). For each length (``--at``, default 1,000 and 100,000 steps) the run's directory is pre-filled
+as ``sv.driver.run`` leaves it ``--saves`` x 10 steps before that length (``log.jsonl`` with a line per step,
+a checkpoint of the state, the key and the step count), and ``sv.driver.run`` resumes it with a save every 10
+steps, ``--reps`` times (the lengths in turn): ``save s`` is the median time of the loop's save (the log's
+flush and ``Checkpointer.save`` until it returns; each run's first save left out as the warm-up), ``bytes``
+the size of the checkpoint of the last step (median); each run's history is checked to be the whole run's.
+The ratios are the longest run's over the shortest's. ``history in the metadata`` is what a save cost when
+every checkpoint carried every step's statistics (the same state saved ``--saves`` times with that metadata,
+as ``sv.driver.run`` did before, after all the runs): its time and bytes grow with the run.
 """
 
 from __future__ import annotations
@@ -262,6 +274,106 @@ def steps(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+def _trivial_step() -> Any:
+    import jax
+    import jax.numpy as jnp
+
+    return jax.jit(lambda x, key: (x + 1, {"energy": x * 0.5, "error": jnp.float32(0.25), "variance": jnp.sqrt(x)}))
+
+
+def _prefill(directory: Path, start: int, key: Any) -> dict[str, list[float]]:
+    """``directory`` as ``sv.driver.run`` of the trivial step leaves it after ``start`` steps; the history written."""
+    import jax
+    import numpy as np
+
+    import shardvmc as sv
+
+    rng = np.random.default_rng(0)
+    history = {
+        "energy": (np.arange(start) * 0.5).tolist(),
+        "error": [0.25] * start,
+        "variance": np.sqrt(np.arange(start, dtype=np.float32)).astype(float).tolist(),
+        "step_time": rng.uniform(1e-4, 2e-4, start).tolist(),  # full-precision floats, as the loop's clock gives
+    }
+    directory.mkdir(parents=True)
+    with open(directory / "log.jsonl", "w") as f:
+        for t in range(start):
+            f.write(json.dumps({"step": t, **{name: values[t] for name, values in history.items()}}) + "\n")
+    state = {"state": jax.numpy.float32(start), "key": np.asarray(jax.random.key_data(key))}
+    with sv.Checkpointer(directory / "state") as ckpt:
+        ckpt.save(start, state, metadata={"step": start, "user": {}})  # what sv.driver.run saves
+    return history
+
+
+def _legacy_saves(directory: Path, full: dict[str, list[float]], start: int, n: int, every: int) -> tuple[list, int]:
+    """The times of ``n`` saves of the same state with every step's statistics in the metadata (as before), and the
+    bytes of the last."""
+    import jax
+    import numpy as np
+
+    import shardvmc as sv
+
+    times = []
+    with sv.Checkpointer(directory, keep=1) as ckpt:
+        for k in range(n):
+            t = start + k * every
+            meta = {"step": t, "history": {name: v[:t] for name, v in full.items()}, "user": {}}
+            state = {"state": jax.numpy.float32(t), "key": np.asarray(jax.random.key_data(jax.random.key(0)))}
+            begin = time.perf_counter()
+            ckpt.save(t, state, metadata=meta)
+            times.append(time.perf_counter() - begin)
+        ckpt.wait()
+    return times[1:], _bytes(directory / str(t))
+
+
+def history(args: argparse.Namespace) -> dict[str, Any]:
+    import jax
+
+    import shardvmc as sv
+    from shardvmc import _driver  # the loop's save, timed where the loop calls it (benchmarked, not public)
+
+    step, key, every = _trivial_step(), jax.random.key(0), 10
+    times: list[float] = []
+    save = _driver._Loop.save
+
+    def timed_save(loop: Any, done: int) -> None:
+        start = time.perf_counter()
+        save(loop, done)
+        times.append(time.perf_counter() - start)
+
+    setattr(_driver._Loop, "save", timed_save)
+    base = Path(args.dir or tempfile.mkdtemp(prefix="ckpt-history-"))
+    rows: dict[int, dict[str, list[float]]] = {length: {} for length in args.at}
+    try:
+        for rep in range(args.reps):  # the lengths in turn, the order reversed every other repetition
+            for length in args.at if rep % 2 == 0 else args.at[::-1]:
+                directory, start = base / f"{rep}-{length}", length - args.saves * every
+                _prefill(directory, start, key)
+                times.clear()
+                run = sv.driver.run(step, jax.numpy.float32(0), length, key=key, checkpoint=directory,
+                                    checkpoint_every=every, keep=2, progress=False)  # fmt: skip
+                assert len(run.history["energy"]) == length  # the whole history, read back from the log
+                row = rows[length]
+                row.setdefault("save s", []).extend(times[1:])  # (the first: warm-up)
+                row.setdefault("bytes", []).append(_bytes(directory / "state" / str(length)))
+    finally:
+        setattr(_driver._Loop, "save", save)
+    # After all the runs: their megabytes written back to the disk would slow the saves of the runs that followed.
+    for length in args.at:
+        start = length - args.saves * every
+        full = _prefill(base / f"legacy-{length}", start, key)
+        legacy, size = _legacy_saves(base / f"legacy-{length}" / "legacy", full, start, args.saves, every)
+        rows[length]["history in the metadata: save s"] = legacy
+        rows[length]["history in the metadata: bytes"] = [size]
+    result: dict[str, Any] = {str(n): {k: _median(v) for k, v in row.items()} for n, row in rows.items()}
+    first, last = result[str(args.at[0])], result[str(args.at[-1])]
+    for what in ("save s", "bytes", "history in the metadata: save s", "history in the metadata: bytes"):
+        result[f"{what} ratio"] = last[what] / first[what]
+    result.update(saves=args.saves, reps=args.reps, every=every)
+    print(json.dumps(result, indent=1))
+    return result
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="part", required=True)
@@ -282,12 +394,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p_steps.add_argument("--block", type=int, default=20, help="steps per timed block")
     p_steps.add_argument("--every", type=int, default=10, help="steps between saves")
     p_steps.add_argument("--devices", type=int, default=8)
-    for p in (p_io, p_steps):
+    p_history = sub.add_parser("history", help="sv.driver.run's save time and checkpoint size, early and late")
+    p_history.add_argument("--at", type=int, nargs="+", default=[1000, 100000], help="run lengths (steps)")
+    p_history.add_argument("--saves", type=int, default=21, help="saves of each run (the first: warm-up)")
+    p_history.add_argument("--reps", type=int, default=3, help="runs at each length")
+    p_history.add_argument("--devices", type=int, default=1)
+    p_history.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
+    for p in (p_io, p_steps, p_history):
         p.add_argument("--json", default=None, help="write the result here")
     args = parser.parse_args(argv)
     if not os.environ.get("SHARDVMC_NUM_PROCESSES"):  # the launcher sets the device count itself
         _request_devices(args.devices)
-    result = io(args) if args.part == "io" else steps(args)
+    result = {"io": io, "steps": steps, "history": history}[args.part](args)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
     return result

@@ -30,7 +30,7 @@ from jax.core import Tracer
 from jax.sharding import Mesh, NamedSharding
 
 from . import _checksum, _compat, _npz, _orbax_compat
-from ._errors import CallError, CheckpointNotFoundError, DamagedCheckpointError, message, warn_at_user
+from ._errors import CallError, CheckpointNotFoundError, DamagedCheckpointError, install, message, warn_at_user
 from ._mesh import get_replicated_sharding, get_walker_sharding, walker_mesh
 from ._placement import pad_n_walkers
 from ._walkerset import WalkerSet, check_n_valid, split_walker_set, walker_count
@@ -50,7 +50,7 @@ __all__ = [
 _ARRAYS, _HEADER = "arrays", "shardvmc"  # the orbax items: every stored array (keyed by leaf index); the header
 _STEP_FILES = (_ARRAYS, _HEADER, "_CHECKPOINT_METADATA", "commit_success.txt")  # any of them: a step directory
 _KINDS = ("walker", "array", "numpy", "python")
-INSTALL = "pip install 'shardvmc[checkpoint]'"
+INSTALL = install("checkpoint")
 """How to install what checkpoints need (orbax-checkpoint)."""
 RESIZED = "shardvmc.resized"
 """Metadata key a restore adds when it restored another number of walkers than saved."""
@@ -771,7 +771,7 @@ def save_walkers(
     Raises:
         CallError: for leaves of different walker counts, ``n_valid`` out of range or
             other than the ``WalkerSet``'s, or metadata JSON cannot encode.
-        ImportError: when orbax-checkpoint is not installed (``pip install 'shardvmc[checkpoint]'``).
+        ImportError: when orbax-checkpoint is not installed (``pip install -e ".[checkpoint]"``).
 
     Example:
         >>> import os, tempfile, jax, jax.numpy as jnp, shardvmc as sv
@@ -873,7 +873,7 @@ def save_state(path: str | os.PathLike[str], state: Any, *, metadata: dict[str, 
         CallError: for a leaf that cannot be stored (a sharded array outside a
             ``WalkerSet``, an object that is not an array or a number), a ``WalkerSet``
             whose ``n_valid`` exceeds its walkers, or metadata JSON cannot hold.
-        ImportError: when orbax-checkpoint is not installed (``pip install 'shardvmc[checkpoint]'``).
+        ImportError: when orbax-checkpoint is not installed (``pip install -e ".[checkpoint]"``).
 
     Example:
         >>> import tempfile, jax, jax.numpy as jnp, shardvmc as sv
@@ -958,7 +958,7 @@ class Checkpointer:
         asynchronous: write in the background (``False``: :meth:`save` returns once committed).
 
     Raises:
-        ImportError: when orbax-checkpoint is not installed (``pip install 'shardvmc[checkpoint]'``).
+        ImportError: when orbax-checkpoint is not installed (``pip install -e ".[checkpoint]"``).
 
     Example:
         >>> import tempfile, jax, jax.numpy as jnp, optax, shardvmc as sv

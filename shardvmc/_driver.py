@@ -11,11 +11,19 @@ callbacks. The schedule depends on step numbers only, so every process of a mult
 decides at the same steps.
 
 Checkpoints (``checkpoint=DIR``): a :class:`~shardvmc.Checkpointer` in ``DIR/state`` saves
-``{"state": state, "key": key data}`` with the step count and every step's statistics (JSON metadata, exact floats)
-every ``checkpoint_every`` steps, every ``checkpoint_seconds`` (process 0's clock decides; the save is at the
-next step), at the end, when a callback stops the run (unless it says not to), and at a preemption notice
-(:func:`shardvmc.distributed.reached_preemption`, called at every step). The same call with the same directory
-resumes from the newest intact step, onto the mesh of ``state`` (any device count).
+``{"state": state, "key": key data}`` with the step count and the run's ``metadata`` every ``checkpoint_every``
+steps, every ``checkpoint_seconds`` (process 0's clock decides; the save is at the next step), at the end, when a
+callback stops the run (unless it says not to), and at a preemption notice
+(:func:`shardvmc.distributed.reached_preemption`, called before the first step and after every step; its signal
+handlers are installed before the restore, so a notice while restoring or compiling is answered as a later one).
+The statistics are not in the checkpoint but in ``DIR/log.jsonl`` (see :mod:`shardvmc._history`), flushed before
+each save: a save costs the same at step 100 and at step 100,000. The same call with the same directory resumes
+from the newest intact step, onto the mesh of ``state`` (any device count), with the history of the steps before
+it read back from the log.
+
+A call runs in phases: :func:`_plan` (the arguments checked), :func:`_resume` (the newest intact checkpoint and the
+history before it), :meth:`_Loop.steps` (the steps, the reads, the callbacks' decisions, :meth:`_Loop.save`) and
+:func:`_leave` (the exit at a preemption notice).
 """
 
 from __future__ import annotations
@@ -24,7 +32,6 @@ import collections
 import dataclasses
 import functools
 import json
-import math
 import os
 import sys
 import time
@@ -41,6 +48,7 @@ from . import distributed
 from ._callbacks import StopOnNonFinite
 from ._checkpoint import Checkpointer
 from ._errors import CallError, CheckpointNotFoundError, message
+from ._history import LOG_NAME, RunLog, merge
 from ._loggers import JsonLog, Logger
 from ._progress import Progress, wants_bar
 from ._walkerset import WalkerSet
@@ -191,17 +199,153 @@ def _broadcast(flags: Sequence[bool]) -> list[bool]:
     return [bool(v) for v in np.asarray(out)]
 
 
-class _Loop:
-    """One call of :func:`run`: the fetched statistics, the processing cursor, the sinks."""
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """The checked arguments of one call of :func:`run`."""
 
-    def __init__(self, loggers: list[Logger], callbacks: list[Any], bar: Progress | None, lead: bool) -> None:
-        self.loggers, self.callbacks, self.bar, self.lead = loggers, callbacks, bar, lead
+    n_steps: int
+    key: jax.Array
+    key_data: np.ndarray  # saved as host data: the same on every process, whichever device holds the key
+    directory: Path | None
+    every: int | None  # checkpoint_every
+    seconds: float | None  # checkpoint_seconds
+    ahead: int
+    on_preemption: str
+    callbacks: list[Any]
+    loggers: list[Logger]
+    log: RunLog | None  # DIR/log.jsonl, the first of loggers: the run's log and its history
+    user: dict[str, Any]  # the metadata, as a checkpoint gives it back
+    mesh: Mesh | None
+    lead: bool  # process 0: it prints and logs
+
+
+def _plan(
+    step: Any,
+    n_steps: Any,
+    key: Any,
+    checkpoint: Any,
+    checkpoint_every: Any,
+    checkpoint_seconds: Any,
+    out: Any,
+    callbacks: Any,
+    metadata: Any,
+    on_preemption: Any,
+    ahead: Any,
+    mesh: Mesh | None,
+) -> _Plan:
+    """The arguments of :func:`run` checked (a ``CallError`` naming the first bad one) and put in order."""
+    n_steps = _check_int("n_steps", n_steps, 0)
+    if checkpoint_every is not None:
+        checkpoint_every = _check_int("checkpoint_every", checkpoint_every, 1, allow_none=True)
+    ahead = _check_int("ahead", ahead, 0)
+    _check_key(key)
+    if on_preemption not in ("exit", "return"):
+        raise _error("on_preemption must be 'exit' or 'return'.", got=repr(on_preemption))
+    if checkpoint_seconds is not None and not (isinstance(checkpoint_seconds, (int, float)) and checkpoint_seconds > 0):
+        raise _error("checkpoint_seconds must be a positive number or None.", got=repr(checkpoint_seconds))
+    if not callable(step):
+        raise _error("step must be a function step(state, key) -> (state, stats).", got=repr(step))
+    directory = None if checkpoint is None else Path(checkpoint)
+    callbacks = [StopOnNonFinite()] if callbacks is _DEFAULT else callbacks
+    callbacks = [] if callbacks is None else [callbacks] if callable(callbacks) else list(callbacks)
+    loggers = _loggers(out, directory)
+    try:
+        user = json.loads(json.dumps(dict(metadata or {})))  # as a checkpoint gives it back
+    except (TypeError, ValueError) as err:
+        raise _error("metadata must be JSON data (numbers, strings, lists, dicts).", got=str(err)) from None
+    log = loggers[0] if directory is not None and isinstance(loggers[0], RunLog) else None
+    return _Plan(
+        n_steps, key, _key_data(key), directory, checkpoint_every, checkpoint_seconds, ahead, on_preemption,
+        callbacks, loggers, log, user, mesh, jax.process_index() == 0,
+    )  # fmt: skip
+
+
+def _loggers(out: Any, directory: Path | None) -> list[Logger]:
+    """The run's own log (``DIR/log.jsonl``) first, then those of ``out`` (less a second logger of that file)."""
+    own: list[Logger] = [] if directory is None else [RunLog(directory / LOG_NAME)]
+    if out is None:
+        return own
+    if isinstance(out, (str, os.PathLike)):
+        out = JsonLog(out)
+    loggers = list(out) if isinstance(out, Iterable) else [out]
+    for logger in loggers:
+        if not all(callable(getattr(logger, m, None)) for m in ("open", "write", "flush", "close")):
+            raise _error(
+                "out must be a path (a JSON-lines log), a logger or a sequence of loggers.",
+                got=repr(logger),
+                expected="objects with open(start, total), write(step, stats), flush() and close()",
+                fix="pass e.g. out=[sv.driver.JsonLog(path), sv.driver.CSVLog(path2)].",
+            )
+    if directory is not None:  # two writers of one file would write each step twice
+        mine = (directory / LOG_NAME).resolve()
+        loggers = [x for x in loggers if not (isinstance(x, JsonLog) and Path(x.path).resolve() == mine)]
+    return own + loggers
+
+
+class _Loop:
+    """The steps of one call of :func:`run`: the fetched statistics, the processing cursor, the sinks, the saves."""
+
+    def __init__(self, plan: _Plan, saves: Checkpointer | None, state: Any, start: int, bar: Progress | None) -> None:
+        self.plan, self.saves, self.state, self.bar = plan, saves, state, bar
+        self.loggers, self.callbacks, self.lead = plan.loggers, plan.callbacks, plan.lead
         self.pending: collections.deque[tuple[int, Any]] = collections.deque()  # dispatched, not read
         self.rows: list[dict[str, float]] = []  # read, this call's steps
         self.processed = 0  # rows given to loggers, bar and callbacks
-        self.first = 0  # the first step of this call
+        self.first = start  # the first step of this call
         self.clock = time.perf_counter()  # when the last read returned
         self.stop: tuple[str, bool] | None = None  # (reason, save) of the first callback that stopped the run
+        self.last_save = time.monotonic()
+        # every process must take process 0's decisions where they may differ (a callback may read its own clock)
+        self.agree = jax.process_count() > 1 and (bool(plan.callbacks) or plan.seconds is not None)
+
+    def steps(self, step: Callable[[Any, jax.Array], tuple[Any, Any]]) -> tuple[str, str | None]:
+        """Steps ``first .. n_steps - 1`` with their reads, callbacks and saves: ``(status, reason)``."""
+        plan, n = self.plan, self.plan.n_steps
+        watch = self.saves is not None
+        if watch and self.first < n and distributed.reached_preemption(self.first):
+            self.save(self.first)  # a notice before the first step (while restoring or compiling)
+            return "preempted", f"preemption notice at step {self.first}"
+        status, reason, timed = "finished", None, False  # timed: a timed save agreed at the previous step
+        for t, step_key in zip(range(self.first, n), _step_keys(plan.key, self.first, n), strict=True):
+            self.state, stats = step(self.state, step_key)
+            _start_copy(stats)
+            self.pending.append((t, stats))
+            done = t + 1
+            preempted = watch and distributed.reached_preemption(done)
+            due = watch and (preempted or timed or done == n or bool(plan.every and done % plan.every == 0))
+            self.read(0 if due else plan.ahead)  # a save holds the statistics of every step up to it
+            self.process()
+            stop_flag, stop_save, timed = self.decisions()
+            if stop_flag:
+                reason = self.stop[0] if self.stop else "a callback of process 0 stopped the run"
+                self.read(0)
+                self.process(run_callbacks=False)
+            if (due or stop_flag) and stop_save:
+                self.save(done)
+                timed = False
+            if preempted or stop_flag:
+                status = "preempted" if preempted and stop_save else "stopped"
+                reason = reason if stop_flag else f"preemption notice at step {done}"
+                break
+        self.read(0)
+        self.process(run_callbacks=status == "finished")
+        return status, reason
+
+    def decisions(self) -> tuple[bool, bool, bool]:
+        """``(stop, save at the stop, a timed save is due)``: process 0's, on every process."""
+        local_timed = self.plan.seconds is not None and time.monotonic() - self.last_save >= self.plan.seconds
+        flags = [self.stop is not None, self.stop is None or self.stop[1], local_timed]
+        stop, save, timed = _broadcast(flags) if self.agree else flags
+        return stop, save, timed
+
+    def save(self, done: int) -> None:
+        """The state after ``done`` steps into the checkpoint directory (nothing without one)."""
+        if self.saves is None:
+            return
+        self.flush()  # the log first: it holds the statistics of every step the checkpoint has
+        meta = {"step": done, "user": self.plan.user}
+        self.saves.save(done, {"state": self.state, "key": self.plan.key_data}, metadata=meta)
+        self.last_save = time.monotonic()
 
     def read(self, keep: int) -> None:
         """Read the statistics of the oldest pending steps until ``keep`` are left in flight."""
@@ -240,23 +384,56 @@ class _Loop:
             for logger in self.loggers:
                 logger.flush()
 
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        if self.lead:
+            for logger in self.loggers:
+                logger.close()
 
-def _loggers(out: Any, directory: Path | None) -> list[Logger]:
-    own: list[Logger] = [] if directory is None else [JsonLog(directory / "log.jsonl")]
-    if out is None:
-        return own
-    if isinstance(out, (str, os.PathLike)):
-        return [JsonLog(out)]
-    loggers = [out] if not isinstance(out, Iterable) else list(out)
-    for logger in loggers:
-        if not all(callable(getattr(logger, m, None)) for m in ("open", "write", "flush", "close")):
-            raise _error(
-                "out must be a path (a JSON-lines log), a logger or a sequence of loggers.",
-                got=repr(logger),
-                expected="objects with open(start, total), write(step, stats), flush() and close()",
-                fix="pass e.g. out=[sv.driver.JsonLog(path), sv.driver.CSVLog(path2)].",
-            )
-    return own + loggers
+
+def _resume(plan: _Plan, saves: Checkpointer | None, state: Any) -> tuple[Any, int, int | None, dict[str, list[float]]]:
+    """``(state, start, start or None, history before start)``: the newest intact checkpoint's, else a new run's."""
+    if saves is None:
+        return state, 0, None, {}
+    restore_mesh, axis = (plan.mesh, "walkers") if plan.mesh is not None else _placement(state)
+    try:
+        # The newest intact step (an older one, with a warning, when the newest is damaged).
+        saved, meta = saves.restore({"state": state, "key": plan.key_data}, mesh=restore_mesh, axis_name=axis)
+    except CheckpointNotFoundError:
+        return state, 0, None, {}
+    start = int(meta["step"])
+    _check_resumable(plan, saved, meta, start)
+    assert plan.log is not None  # (a checkpoint directory has its log)
+    # Checkpoints of 0.4.0 in development carried the history in their metadata; the log holds it since.
+    history = plan.log.history(start, meta.get("history"), warn=plan.lead)
+    if plan.lead:
+        print(f"{_WHERE}: resumed from {str(plan.directory)!r} at step {start}", file=sys.stderr)
+    return saved["state"], start, start, history
+
+
+def _check_resumable(plan: _Plan, saved: Any, meta: Mapping[str, Any], start: int) -> None:
+    """A ``CallError`` unless the checkpoint continues this call's run: its key, its settings, ``start <= n_steps``."""
+    where = repr(str(plan.directory))
+    if not np.array_equal(saved["key"], plan.key_data):
+        raise _error(
+            f"{where} holds a run of another key: resuming it with this key would not continue its trajectory.",
+            fix="pass the key the run started with, or another checkpoint directory for a new run.",
+        )
+    if start > plan.n_steps:
+        raise _error(
+            f"{where} holds step {start}, beyond n_steps={plan.n_steps}.",
+            fix=f"pass n_steps >= {start} to go on, or another checkpoint directory.",
+        )
+    saved_user, user = meta.get("user", {}), plan.user
+    differ = sorted(k for k in set(saved_user) | set(user) if saved_user.get(k) != user.get(k))
+    if differ:
+        raise _error(
+            f"{where} holds a run of other settings: {', '.join(map(str, differ))}.",
+            got=", ".join(f"{k}={user.get(k)!r}" for k in differ),
+            expected=", ".join(f"{k}={saved_user.get(k)!r}" for k in differ),
+            fix="run with the checkpoint's settings, or use another checkpoint directory for a new run.",
+        )
 
 
 def run(
@@ -304,7 +481,8 @@ def run(
         n_steps: the run's number of steps (a resumed run ends there too).
         key: ONE PRNG key; step ``t`` gets ``jax.random.fold_in(key, t)``.
         checkpoint: a directory for checkpoints (``DIR/state``) and the run's log (``DIR/log.jsonl``, a
-            :class:`JsonLog`, written on process 0 besides the loggers of ``out``).
+            :class:`JsonLog`, written on process 0 besides the loggers of ``out``), which also keeps the
+            statistics a resume gives back in the result's history.
         checkpoint_every: save every this many steps (``None``: not by step count).
         checkpoint_seconds: also save once this many seconds have passed since the last save.
         keep: the checkpoints kept (``None``: all).
@@ -313,7 +491,7 @@ def run(
             ``(StopOnNonFinite(),)``; ``()`` for none.
         metadata: JSON data saved with every checkpoint (the run's settings, say): a resume
             refuses a checkpoint whose metadata differs, naming the keys.
-        progress: a tqdm progress bar (``pip install "shardvmc[progress]"``): ``True`` on standard
+        progress: a tqdm progress bar (``pip install -e ".[progress]"``): ``True`` on standard
             error, a file object to write it there, ``False`` for none; ``None`` (default): on
             standard error when it is a terminal and tqdm is installed.
         description: the progress bar's label.
@@ -340,136 +518,43 @@ def run(
         (20, 'finished', ['energy', 'step_time'], (20,))
     """
     started = time.perf_counter()
-    n_steps = _check_int("n_steps", n_steps, 0)
-    if checkpoint_every is not None:
-        checkpoint_every = _check_int("checkpoint_every", checkpoint_every, 1, allow_none=True)
-    ahead = _check_int("ahead", ahead, 0)
-    _check_key(key)
-    if on_preemption not in ("exit", "return"):
-        raise _error("on_preemption must be 'exit' or 'return'.", got=repr(on_preemption))
-    if checkpoint_seconds is not None and not (isinstance(checkpoint_seconds, (int, float)) and checkpoint_seconds > 0):
-        raise _error("checkpoint_seconds must be a positive number or None.", got=repr(checkpoint_seconds))
-    if not callable(step):
-        raise _error("step must be a function step(state, key) -> (state, stats).", got=repr(step))
-    directory = None if checkpoint is None else Path(checkpoint)
-    callbacks = [StopOnNonFinite()] if callbacks is _DEFAULT else callbacks
-    callbacks = [] if callbacks is None else [callbacks] if callable(callbacks) else list(callbacks)
-    loggers = _loggers(out, directory)
-    lead = jax.process_index() == 0
-
+    plan = _plan(step, n_steps, key, checkpoint, checkpoint_every, checkpoint_seconds, out, callbacks, metadata,
+                 on_preemption, ahead, mesh)  # fmt: skip
+    saves = None if plan.directory is None else Checkpointer(plan.directory / "state", keep=keep)
     try:
-        user = json.loads(json.dumps(dict(metadata or {})))  # as a checkpoint gives it back
-    except (TypeError, ValueError) as err:
-        raise _error("metadata must be JSON data (numbers, strings, lists, dicts).", got=str(err)) from None
-    saves = None if directory is None else Checkpointer(directory / "state", keep=keep)
-    start, restored_rows, resumed, meta = 0, {}, None, {}
-    key_data = _key_data(key)  # saved as host data: the same on every process, whichever device holds the key
-    try:
-        if saves is not None:
-            restore_mesh, axis = (mesh, "walkers") if mesh is not None else _placement(state)
-            try:
-                # The newest intact step (an older one, with a warning, when the newest is damaged).
-                like = {"state": state, "key": key_data}
-                saved, meta = saves.restore(like, mesh=restore_mesh, axis_name=axis)
-            except CheckpointNotFoundError:
-                saved = None
-            if saved is not None:
-                if not np.array_equal(saved["key"], key_data):
-                    raise _error(
-                        f"{str(directory)!r} holds a run of another key: resuming it with this key would not "
-                        "continue its trajectory.",
-                        fix="pass the key the run started with, or another checkpoint directory for a new run.",
-                    )
-                start, resumed = int(meta["step"]), int(meta["step"])
-                if start > n_steps:
-                    raise _error(
-                        f"{str(directory)!r} holds step {start}, beyond n_steps={n_steps}.",
-                        fix=f"pass n_steps >= {start} to go on, or another checkpoint directory.",
-                    )
-                saved_user = meta.get("user", {})
-                differ = sorted(k for k in set(saved_user) | set(user) if saved_user.get(k) != user.get(k))
-                if differ:
-                    raise _error(
-                        f"{str(directory)!r} holds a run of other settings: {', '.join(map(str, differ))}.",
-                        got=", ".join(f"{k}={user.get(k)!r}" for k in differ),
-                        expected=", ".join(f"{k}={saved_user.get(k)!r}" for k in differ),
-                        fix="run with the checkpoint's settings, or use another checkpoint directory for a new run.",
-                    )
-                state, restored_rows = saved["state"], meta["history"]
-                if lead:
-                    print(f"{_WHERE}: resumed from {str(directory)!r} at step {start}", file=sys.stderr)
-        if lead:
-            for logger in loggers:
-                logger.open(start, n_steps)
-        for callback in callbacks:
+        if saves is not None:  # from now on, not at the first step: a notice while compiling must not kill the job
+            distributed._watch_preemption(where=_WHERE)
+        state, start, resumed, restored = _resume(plan, saves, state)
+        if plan.lead:
+            for logger in plan.loggers:
+                logger.open(start, plan.n_steps)
+        for callback in plan.callbacks:
             if callable(getattr(callback, "start", None)):
                 callback.start(start)
-        bar_file = wants_bar(progress) if lead else None
-        bar = None if bar_file is None else Progress(bar_file, n_steps, start, description)
-        loop = _Loop(loggers, callbacks, bar, lead)
-        loop.first = start
-        status, reason, last_save = "finished", None, time.monotonic()
-        timed = False  # a timed save agreed at the previous step
-        agree = jax.process_count() > 1 and (bool(callbacks) or checkpoint_seconds is not None)
+        bar_file = wants_bar(progress) if plan.lead else None
+        bar = None if bar_file is None else Progress(bar_file, plan.n_steps, start, description)
+        loop = _Loop(plan, saves, state, start, bar)
         try:
-            for t, step_key in zip(range(start, n_steps), _step_keys(key, start, n_steps), strict=True):
-                state, stats = step(state, step_key)
-                _start_copy(stats)
-                loop.pending.append((t, stats))
-                done = t + 1
-                preempted = saves is not None and distributed.reached_preemption(done)
-                due = saves is not None and (
-                    preempted or timed or done == n_steps or bool(checkpoint_every and done % checkpoint_every == 0)
-                )
-                loop.read(0 if due else ahead)  # a save holds the statistics of every step up to it
-                loop.process()
-                local_timed = checkpoint_seconds is not None and time.monotonic() - last_save >= checkpoint_seconds
-                stop_flag, stop_save, timed = loop.stop is not None, loop.stop is None or loop.stop[1], local_timed
-                if agree:  # process 0's decisions (a callback may read its own clock)
-                    stop_flag, stop_save, timed = _broadcast([stop_flag, stop_save, local_timed])
-                if stop_flag:
-                    reason = loop.stop[0] if loop.stop else "a callback of process 0 stopped the run"
-                    loop.read(0)
-                    loop.process(run_callbacks=False)
-                if saves is not None and (due or stop_flag) and stop_save:
-                    history = _history(restored_rows, loop.rows)
-                    meta = {"step": done, "history": history, "user": user}
-                    saves.save(done, {"state": state, "key": key_data}, metadata=meta)
-                    loop.flush()
-                    last_save, timed = time.monotonic(), False
-                if preempted or stop_flag:
-                    status = "preempted" if preempted and stop_save else "stopped"
-                    reason = reason if stop_flag else f"preemption notice at step {done}"
-                    break
-            loop.read(0)
-            loop.process(run_callbacks=status == "finished")
+            status, reason = loop.steps(step)
         finally:
-            if bar is not None:
-                bar.close()
-            if lead:
-                for logger in loggers:
-                    logger.close()
+            loop.close()
         if saves is not None:
             saves.wait()
     finally:
         if saves is not None:
             saves.close()
-    history = {k: np.asarray(v, np.float64) for k, v in _history(restored_rows, loop.rows).items()}
-    result = RunResult(state, start + len(loop.rows), history, status, reason, resumed, time.perf_counter() - started)
-    if result.preempted and on_preemption == "exit":
-        if lead:
-            code = distributed.PREEMPTED_EXIT_CODE
-            print(f"{_WHERE}: {reason}; saved to {str(directory)!r}, exiting with {code}: run the same command "
-                  "again to resume", file=sys.stderr)  # fmt: skip
-        sys.exit(distributed.PREEMPTED_EXIT_CODE)
+    history = {k: np.asarray(v, np.float64) for k, v in merge(restored, loop.rows).items()}
+    result = RunResult(loop.state, start + len(loop.rows), history, status, reason, resumed,
+                       time.perf_counter() - started)  # fmt: skip
+    _leave(result, plan)
     return result
 
 
-def _history(restored: Mapping[str, Sequence[float]], rows: Sequence[Mapping[str, float]]) -> dict[str, list[float]]:
-    """Every step's statistics, the restored ones first: ``{name: [value per step]}`` (JSON for the metadata)."""
-    names = list(restored) + [k for row in rows[:1] for k in row if k not in restored]
-    n_restored = len(next(iter(restored.values()))) if restored else 0
-    return {
-        name: list(restored.get(name, [math.nan] * n_restored)) + [row.get(name, math.nan) for row in rows]
-        for name in names
-    }
+def _leave(result: RunResult, plan: _Plan) -> None:
+    """At a preemption notice with ``on_preemption="exit"``: the requeue exit (its state is saved), else nothing."""
+    if result.preempted and plan.on_preemption == "exit":
+        code = distributed.PREEMPTED_EXIT_CODE
+        if plan.lead:
+            print(f"{_WHERE}: {result.reason}; saved to {str(plan.directory)!r}, exiting with {code}: run the same "
+                  "command again to resume", file=sys.stderr)  # fmt: skip
+        sys.exit(code)

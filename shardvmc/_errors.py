@@ -69,6 +69,17 @@ class UnhashableStaticError(CallError, TypeError):
     """A ``Static`` argument is not hashable, so it cannot key the compilation cache."""
 
 
+def install(extra: str) -> str:
+    """The command that installs ``extra``, as the documentation gives it: in the clone, editable.
+
+    Example:
+        >>> from shardvmc._errors import install
+        >>> install("checkpoint")
+        'pip install -e ".[checkpoint]" in the shardvmc clone'
+    """
+    return f'pip install -e ".[{extra}]" in the shardvmc clone'
+
+
 def message(
     where: str,
     problem: str,

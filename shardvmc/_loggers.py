@@ -2,7 +2,7 @@
 
 A logger implements the :class:`Logger` protocol: ``open(start, total)`` before the first step of a run
 (``start`` is where the run starts: rows of an earlier run at steps ``>= start`` are dropped, so a resumed run
-writes every step once), ``write(step, stats)`` after each step in order, ``flush()`` at every checkpoint, and
+writes every step once), ``write(step, stats)`` after each step in order, ``flush()`` before every checkpoint, and
 ``close()`` at the end. The loop calls loggers on process 0 only.
 """
 
@@ -16,17 +16,17 @@ import math
 import os
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import IO, Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from ._errors import CallError, message
+from ._errors import CallError, install, message
 
 __all__ = ["CSVLog", "JsonLog", "Logger", "PrintLog", "TensorBoardLog", "read_log"]
 
-TENSORBOARD_INSTALL = 'pip install "shardvmc[tensorboard]"'
+TENSORBOARD_INSTALL = install("tensorboard")
 
 
 @runtime_checkable
@@ -45,7 +45,7 @@ class Logger(Protocol):
         ...
 
     def flush(self) -> None:
-        """Make what was written durable (called at every checkpoint)."""
+        """Make what was written durable (called before every checkpoint is saved)."""
         ...
 
     def close(self) -> None:
@@ -53,21 +53,51 @@ class Logger(Protocol):
         ...
 
 
-def _rewrite_before(path: Path, start: int, read_step: Any) -> list[str]:
-    """The lines of ``path`` (a header kept as it is) whose step is below ``start``; the file rewritten with them."""
+def lines_before(path: Path, start: int, read_step: Callable[[str], int | None]) -> list[str]:
+    """The lines of ``path`` a run that starts at ``start`` keeps: each step below ``start`` once, and the header.
+
+    ``read_step(line)`` is the line's step, ``None`` for a line without one (a header, kept as it is), or raises
+    ``ValueError`` for a line that cannot be read. Dropped: the lines of steps at or after ``start`` (the run
+    redoes them), an unterminated last line or one that cannot be read (a process killed while writing it). A
+    step written twice keeps its last line, in the place of its first.
+    """
     if start <= 0 or not path.exists():
         return []
-    kept = []
+    kept: list[str] = []
+    where: dict[int, int] = {}  # step -> its line's index in kept
     with open(path, newline="") as f:
         for line in f:
-            step = read_step(line)
-            if step is None or step < start:
-                kept.append(line if line.endswith("\n") else line + "\n")
+            if not line.endswith("\n"):
+                continue  # every line is written whole with its newline: this one was cut off
+            try:
+                step = read_step(line)
+            except ValueError:
+                continue
+            if step is None:
+                kept.append(line)
+            elif step in where:
+                kept[where[step]] = line
+            elif step < start:
+                where[step] = len(kept)
+                kept.append(line)
+    return kept
+
+
+def replace_lines(path: Path, lines: list[str]) -> None:
+    """``path`` rewritten with ``lines``, atomically: a run killed here leaves the old file or the new one."""
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "w", newline="") as f:
-        f.writelines(kept)
-    os.replace(tmp, path)  # atomic: a run killed here leaves the old file or the new one
-    return kept
+        f.writelines(lines)
+    os.replace(tmp, path)
+
+
+def json_step(line: str) -> int | None:
+    """The step of a :class:`JsonLog` line (``None`` for a blank line or one without a step; ``ValueError`` if torn)."""
+    if not line.strip():
+        return None
+    row = json.loads(line)
+    step = row.get("step") if isinstance(row, dict) else None
+    return step if isinstance(step, int) and not isinstance(step, bool) else None
 
 
 class JsonLog:
@@ -99,9 +129,14 @@ class JsonLog:
 
     def open(self, start: int, total: int) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        _rewrite_before(self.path, start, lambda line: json.loads(line).get("step") if line.strip() else None)
+        if start > 0:
+            replace_lines(self.path, self._kept(start))
         self._file = open(self.path, "a" if start > 0 else "w")
         self._flushed = time.monotonic()
+
+    def _kept(self, start: int) -> list[str]:
+        """The lines a run that starts at ``start`` keeps (see :func:`lines_before`)."""
+        return lines_before(self.path, start, json_step)
 
     def write(self, step: int, stats: Mapping[str, float]) -> None:
         assert self._file is not None, "JsonLog.write before open"
@@ -155,7 +190,9 @@ class CSVLog:
             first = line.split(",", 1)[0].strip()
             return int(first) if first.lstrip("-").isdigit() else None  # the header has no step
 
-        kept = _rewrite_before(self.path, start, step_of)
+        kept = lines_before(self.path, start, step_of)
+        if start > 0:
+            replace_lines(self.path, kept)
         self._columns = next(csv.reader(io.StringIO(kept[0]))) if kept else None
         self._file = open(self.path, "a" if kept else "w", newline="")
         self._writer = csv.writer(self._file)
@@ -184,7 +221,7 @@ class CSVLog:
 
 
 class TensorBoardLog:
-    """Every statistic as a TensorBoard scalar (through tensorboardX; ``pip install "shardvmc[tensorboard]"``).
+    """Every statistic as a TensorBoard scalar (through tensorboardX; ``pip install -e ".[tensorboard]"``).
 
     A resumed run purges the events of the steps it redoes (tensorboardX's ``purge_step``).
 

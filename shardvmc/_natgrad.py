@@ -483,21 +483,58 @@ def natural_gradient(
                                     real_params=real_params,
                                     momentum=momentum, previous=previous, chunks=chunks, memory_budget=memory_budget,
                                     mesh=enter, axis_name=axis_name)  # fmt: skip
+    # Three phases: check the arguments, plan (the first solver whose compiled program fits the budget), solve.
+    problem = _check(J, e, n_j, n_valid, method, solver, chunks, damping, previous, real_params, mesh, axis_name)
+    cfg, compiled, mem, reason, budget = _plan(problem, method, solver, maxiter, chunks, precondition, memory_budget)
+    scalars = {"damping": damping, "momentum": momentum, "tol": tol, "rcond": rcond, "previous": previous}
+    flat, iterations, residual = _solve_problem(problem, cfg, compiled, scalars)
+    update = _unflatten(flat, problem.leaves, problem.treedef)
+    info = NaturalGradientInfo(
+        method=cfg.method,
+        reason=reason,
+        chunks=cfg.chunks,
+        planned_bytes=mem.total_bytes,
+        budget_bytes=budget,
+        n_params=problem.p,
+        iterations=iterations,
+        residual=residual,
+    )
+    return update, info
+
+
+@dataclasses.dataclass(frozen=True)
+class _Problem:
+    """A checked call of :func:`natural_gradient`: J's leaves and e (padded to the mesh when concrete), the sizes."""
+
+    leaves: list[Any]
+    treedef: Any
+    e: Any
+    count: Any  # the valid walkers (an int, or traced)
+    n: int  # J's rows, padding included
+    n_pad: int  # the rows padded to a multiple of the device count
+    p: int  # parameters
+    d: int  # devices along the walker axis
+    rows: int  # rows per walker: 2 for real parameters of a complex J
+    real: bool  # the real system
+    real_dtype: Any
+    out_dtype: Any
+    has_previous: bool
+    all_valid: bool  # no padding walkers
+    concrete: bool  # no tracers among J, e and the count
+    mesh: Mesh
+    axis_name: str
+
+
+def _check(
+    J: Any, e: Any, n_j: int | None, n_valid: Any, method: str, solver: str, chunks: Any, damping: Any,
+    previous: Any, real_params: bool, mesh: Mesh, axis_name: str,
+) -> _Problem:  # fmt: skip
+    """Phase 1 of :func:`natural_gradient`: every check of its arguments (a ``CallError`` naming the first that
+    fails), and the problem's sizes and dtypes."""
     d = _compat.axis_size(mesh, axis_name)
     e, n_e = split_walker_set(e)
     n_valid = _agree_n_valid(n_valid, n_j, n_e)
-    if method != "auto" and method not in METHODS:
-        raise CallError(
-            message(_WHERE, f"unknown method {method!r}.", expected=f"'auto' or one of {METHODS}", fix="pick one.")
-        )
-    if solver not in ("cholesky", "eigh"):
-        raise CallError(
-            message(_WHERE, f"unknown solver {solver!r}.", expected="'cholesky' or 'eigh'", fix="pick one.")
-        )
-    if chunks is not None and (not isinstance(chunks, int) or chunks < 1):
-        raise CallError(
-            message(_WHERE, "chunks must be a positive int or None.", got=repr(chunks), fix="pass e.g. chunks=4.")
-        )
+    _check_options(method, solver, chunks)
     leaves, treedef = jax.tree_util.tree_flatten(J)
     for what, leaf in [*(("J", leaf) for leaf in leaves), ("e", e)]:
         error = traced_mesh_error(_WHERE, what, leaf, mesh)
@@ -514,92 +551,98 @@ def natural_gradient(
     out_dtype = real_dtype if real else jnp.result_type(j_dtype, jnp.result_type(e), real_dtype)
     p = sum(math.prod(np.shape(leaf)[1:]) for leaf in leaves)
     n_pad = pad_n_walkers(n, d)
-    has_previous = previous is not None
-    if has_previous and method != "spring":
+    if previous is not None and method != "spring":
         raise CallError(
             message(_WHERE, "previous= is SPRING's momentum state.", fix="pass method='spring', or drop previous=.")
         )
-
     all_valid = n_valid is None and n % d == 0
     concrete = not any(isinstance(x, Tracer) for x in [*leaves, e, count])
     if concrete and n % d:  # pad once here, so the arguments can be placed walker-sharded
         (leaves, e), _ = pad_walker((list(leaves), e), n_pad)
         n = n_pad
-    signature = (
-        tuple((tuple(np.shape(leaf)), jnp.result_type(leaf)) for leaf in leaves),
-        ((np.shape(e)[0],), jnp.result_type(e)),
-        real_dtype,
-        p,
-    )
-    budget = int(memory_budget) if memory_budget is not None else device_memory_budget(mesh.devices.flat[0])
-    itemsize = np.dtype(real_dtype).itemsize * (1 if real else 2)
+    return _Problem(list(leaves), treedef, e, count, n, n_pad, p, d, rows, real, real_dtype, out_dtype,
+                    previous is not None, all_valid, concrete, mesh, axis_name)  # fmt: skip
 
-    jacobi = p <= n_pad * rows if precondition is None else bool(precondition)
+
+def _check_options(method: str, solver: str, chunks: Any) -> None:
+    if method != "auto" and method not in METHODS:
+        raise CallError(
+            message(_WHERE, f"unknown method {method!r}.", expected=f"'auto' or one of {METHODS}", fix="pick one.")
+        )
+    if solver not in ("cholesky", "eigh"):
+        raise CallError(
+            message(_WHERE, f"unknown solver {solver!r}.", expected="'cholesky' or 'eigh'", fix="pick one.")
+        )
+    if chunks is not None and (not isinstance(chunks, int) or chunks < 1):
+        raise CallError(
+            message(_WHERE, "chunks must be a positive int or None.", got=repr(chunks), fix="pass e.g. chunks=4.")
+        )
+
+
+def _plan(
+    problem: _Problem, method: str, solver: str, maxiter: int, chunks: int | None, precondition: bool | None,
+    memory_budget: int | None,
+) -> tuple[_Config, Any, Any, str, int]:  # fmt: skip
+    """Phase 2 of :func:`natural_gradient`: the first candidate solver whose compiled program fits the per-device
+    budget: ``(config, compiled, its memory, reason, budget)``; a ``CallError`` naming one that fits if none does."""
+    pr = problem
+    signature = (
+        tuple((tuple(np.shape(leaf)), jnp.result_type(leaf)) for leaf in pr.leaves),
+        ((np.shape(pr.e)[0],), jnp.result_type(pr.e)),
+        pr.real_dtype,
+        pr.p,
+        pr.out_dtype,
+    )
+    budget = int(memory_budget) if memory_budget is not None else device_memory_budget(pr.mesh.devices.flat[0])
+    itemsize = np.dtype(pr.real_dtype).itemsize * (1 if pr.real else 2)
+    jacobi = pr.p <= pr.n_pad * pr.rows if precondition is None else bool(precondition)
     tried: list[str] = []
-    chosen = None
-    for name, n_chunks, reason in _candidates(method, n_pad, p, rows, chunks):
-        estimate = estimate_bytes(name, n_pad, p, d, itemsize, rows=rows, chunks=n_chunks)
-        cfg = _Config(name, n_chunks, real, solver, int(maxiter), has_previous, jacobi, all_valid)
+    for name, n_chunks, reason in _candidates(method, pr.n_pad, pr.p, pr.rows, chunks):
+        estimate = estimate_bytes(name, pr.n_pad, pr.p, pr.d, itemsize, rows=pr.rows, chunks=n_chunks)
+        cfg = _Config(name, n_chunks, pr.real, solver, int(maxiter), pr.has_previous, jacobi, pr.all_valid)
         if method == "auto" and estimate > budget:
             tried.append(f"{_label(name, n_chunks)}: about {format_bytes(estimate)} estimated")
             continue
-        compiled, mem = _compile(cfg, mesh, axis_name, treedef, signature + (out_dtype,))
+        compiled, mem = _compile(cfg, pr.mesh, pr.axis_name, pr.treedef, signature)
         if mem.total_bytes <= budget:
-            chosen = (cfg, compiled, mem, reason)
-            break
+            return cfg, compiled, mem, reason, budget
         tried.append(f"{_label(name, n_chunks)}: {format_bytes(mem.total_bytes)} compiled")
-    if chosen is None:
-        raise CallError(_budget_message(method, tried, budget, n_pad, p, d, itemsize, rows, mesh, leaves))
-    cfg, compiled, mem, reason = chosen
+    raise CallError(_budget_message(method, tried, budget, pr.n_pad, pr.p, pr.d, itemsize, pr.rows, pr.mesh, pr.leaves))
 
-    scalars: dict[str, Any] = {
-        "damping": damping,
-        "momentum": momentum,
-        "tol": tol,
-        "rcond": rcond,
-        "previous": None,
-    }
-    scalars = {k: (None if v is None else jnp.asarray(v, real_dtype)) for k, v in scalars.items()}
+
+def _solve_problem(problem: _Problem, cfg: _Config, compiled: Any, given: dict[str, Any]) -> tuple[Any, Any, Any]:
+    """Phase 3 of :func:`natural_gradient`: the planned program run: ``(flat update, iterations, residual)``."""
+    pr = problem
+    previous = given["previous"]
+    scalars = {k: (None if v is None else jnp.asarray(v, pr.real_dtype)) for k, v in given.items() if k != "previous"}
+    scalars["previous"] = None
     if cfg.has_previous:
         flat_prev = jnp.concatenate([jnp.ravel(x) for x in jax.tree_util.tree_leaves(previous)])
-        if flat_prev.shape != (p,):
+        if flat_prev.shape != (pr.p,):
             raise CallError(
                 message(
                     _WHERE,
                     "previous does not have J's parameter structure.",
                     got=describe(previous),
-                    expected=f"{p} parameters in all",
+                    expected=f"{pr.p} parameters in all",
                     fix="pass the update returned by the previous call.",
                 )
             )
-        scalars["previous"] = flat_prev.astype(out_dtype)
-    count_arr = jnp.asarray(count, jnp.int32)
+        scalars["previous"] = flat_prev.astype(pr.out_dtype)
+    count_arr = jnp.asarray(pr.count, jnp.int32)
     # The compiled program takes no tracers: a traced damping, momentum, tol, rcond or previous (a schedule under
     # optax.inject_hyperparams in a jitted step) with concrete walker data is traced in with the caller's program.
-    if concrete and not any(isinstance(x, Tracer) for x in jax.tree_util.tree_leaves(scalars)):
-        walker = NamedSharding(mesh, PartitionSpec(axis_name))
-        replicated = NamedSharding(mesh, PartitionSpec())
+    if pr.concrete and not any(isinstance(x, Tracer) for x in jax.tree_util.tree_leaves(scalars)):
+        walker = NamedSharding(pr.mesh, PartitionSpec(pr.axis_name))
+        replicated = NamedSharding(pr.mesh, PartitionSpec())
         args = (
-            tuple(jax.device_put(leaf, walker) for leaf in leaves),
-            jax.device_put(e, walker),
+            tuple(jax.device_put(leaf, walker) for leaf in pr.leaves),
+            jax.device_put(pr.e, walker),
             jax.device_put(count_arr, replicated),
             jax.tree_util.tree_map(lambda x: jax.device_put(x, replicated), scalars),
         )
-        flat, iterations, residual = compiled(*args)
-    else:
-        flat, iterations, residual = _program(cfg, mesh, axis_name, treedef)(tuple(leaves), e, count_arr, scalars)
-    update = _unflatten(flat, leaves, treedef)
-    info = NaturalGradientInfo(
-        method=cfg.method,
-        reason=reason,
-        chunks=cfg.chunks,
-        planned_bytes=mem.total_bytes,
-        budget_bytes=budget,
-        n_params=p,
-        iterations=iterations,
-        residual=residual,
-    )
-    return update, info
+        return compiled(*args)
+    return _program(cfg, pr.mesh, pr.axis_name, pr.treedef)(tuple(pr.leaves), pr.e, count_arr, scalars)
 
 
 def _mesh_of(J: Any, mesh: Mesh | None, axis_name: str) -> Mesh | None:

@@ -6,11 +6,12 @@ import sys
 from collections.abc import Mapping
 from typing import IO, Any
 
+from ._errors import install
 from ._loggers import format_stats
 
 __all__ = ["PROGRESS_INSTALL", "Progress", "wants_bar"]
 
-PROGRESS_INSTALL = 'pip install "shardvmc[progress]"'
+PROGRESS_INSTALL = install("progress")
 
 
 def wants_bar(progress: Any) -> IO[str] | None:

@@ -23,7 +23,7 @@ from jax.sharding import Mesh, NamedSharding
 from ._caches import bounded
 from ._decorator import WalkerParallel, walker_parallel
 from ._driver import run
-from ._errors import CallError, message
+from ._errors import CallError, install, message
 from ._internals import tracing
 from ._markers import Mean, PerWalker, Replicated
 from ._mcstats import Stats, StatsAccumulator
@@ -57,7 +57,7 @@ def _optax() -> Any:
     try:
         import optax
     except ImportError as err:  # pragma: no cover - optax comes with the optax extra
-        raise ImportError('sv.driver.VMC needs optax: pip install "shardvmc[optax]".') from err
+        raise ImportError(f"sv.driver.VMC needs optax: {install('optax')}.") from err
     return optax
 
 

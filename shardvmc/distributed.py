@@ -553,6 +553,35 @@ def _forward_to_jax(number: int, frame: Any) -> None:
     signal.raise_signal(signal.SIGTERM)
 
 
+def _watch_preemption(signals: Sequence[str | int] = PREEMPTION_SIGNALS, where: str = "") -> bool:
+    """Take ``signals`` as preemption notices from now on (what the first :func:`reached_preemption` does).
+
+    :func:`shardvmc.driver.run` calls it before it restores and compiles, so that a notice that arrives
+    before the first step is recorded (and answered by a save and the requeue exit) rather than ending the
+    process. Returns whether JAX's distributed runtime is up (its notifier then takes SIGTERM).
+    """
+    where = where or "shardvmc.distributed.reached_preemption"
+    numbers = _signal_numbers(signals, where)
+    with_runtime = jax.distributed.is_initialized()
+    if with_runtime:
+        _give_sigterm_to_jax()  # kept aside by initialize(fail_fast=True) until the program takes notices
+    wanted = [n for n in numbers if n not in _HANDLED and not (with_runtime and n == signal.SIGTERM)]
+    if wanted:
+        if threading.current_thread() is not threading.main_thread():
+            raise CallError(
+                message(
+                    where,
+                    "the first call must come from the main thread, the only one that can install signal handlers.",
+                    got=f"called from thread {threading.current_thread().name!r}",
+                    fix="call it from the training loop in the main thread.",
+                )
+            )
+        for number in wanted:
+            signal.signal(number, _forward_to_jax if with_runtime else _on_notice)
+            _HANDLED.add(number)
+    return with_runtime
+
+
 def reached_preemption(step: int, *, signals: Sequence[str | int] = PREEMPTION_SIGNALS) -> bool:
     """Whether the run should save its state and stop now: a preemption notice arrived.
 
@@ -609,24 +638,7 @@ def reached_preemption(step: int, *, signals: Sequence[str | int] = PREEMPTION_S
     where = "shardvmc.distributed.reached_preemption"
     if isinstance(step, bool) or not isinstance(step, (int, np.integer)):
         raise CallError(message(where, "step must be an int.", got=repr(step), fix="pass the training step, int(t)."))
-    numbers = _signal_numbers(signals, where)
-    with_runtime = jax.distributed.is_initialized()
-    if with_runtime:
-        _give_sigterm_to_jax()  # kept aside by initialize(fail_fast=True) until the program takes notices
-    wanted = [n for n in numbers if n not in _HANDLED and not (with_runtime and n == signal.SIGTERM)]
-    if wanted:
-        if threading.current_thread() is not threading.main_thread():
-            raise CallError(
-                message(
-                    where,
-                    "the first call must come from the main thread, the only one that can install signal handlers.",
-                    got=f"called from thread {threading.current_thread().name!r}",
-                    fix="call it from the training loop in the main thread.",
-                )
-            )
-        for number in wanted:
-            signal.signal(number, _forward_to_jax if with_runtime else _on_notice)
-            _HANDLED.add(number)
+    with_runtime = _watch_preemption(signals, where)
     if not with_runtime:
         return _PREEMPTED.is_set()
     from jax.experimental import multihost_utils

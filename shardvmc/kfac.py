@@ -48,7 +48,7 @@ is passed without it when its valid walkers split evenly.
 Importing this module applies, when the installed kfac-jax needs it, the fix of kfac-jax
 0.0.8 for JAX >= 0.9.2 (:data:`KFAC_JAX_PATCHED`; see ``shardvmc/_kfac_compat.py``). On a
 JAX that kfac-jax cannot be imported on (0.0.8 on JAX >= 0.11), importing it raises an
-``ImportError`` naming both versions and the fix (``pip install "shardvmc[kfac]"``, whose
+``ImportError`` naming both versions and the fix (``pip install -e ".[kfac]"`` in the clone, whose
 extra pins JAX below 0.11).
 
 Example:
@@ -86,14 +86,14 @@ except Exception as err:  # tested with a stand-in kfac_jax (tests/test_extras.p
 
     import jax
 
-    from ._errors import message
+    from ._errors import install, message
 
     if isinstance(err, ModuleNotFoundError) and err.name == "kfac_jax":
         raise ImportError(
             message(
                 "shardvmc.kfac",
                 "needs kfac-jax, which is not installed.",
-                fix='pip install "shardvmc[kfac]" (kfac-jax with a JAX it supports), or pip install kfac-jax.',
+                fix=f"{install('kfac')} (kfac-jax with a JAX it supports), or pip install kfac-jax.",
             )
         ) from err
     try:
@@ -107,7 +107,7 @@ except Exception as err:  # tested with a stand-in kfac_jax (tests/test_extras.p
             got=f"{type(err).__name__}: {err}",
             expected="JAX < 0.11 for kfac-jax <= 0.0.8 (JAX 0.11 removed jax.core names it uses), or a kfac-jax "
             "release that supports this JAX",
-            fix='pip install "shardvmc[kfac]", which installs a JAX that kfac-jax supports (or pip install '
+            fix=f"{install('kfac')}, which installs a JAX that kfac-jax supports (or pip install "
             '"jax<0.11" "jaxlib<0.11"; jax 0.10.2 has wheels for Python 3.11 to 3.13).',
         )
     ) from err

@@ -47,10 +47,12 @@ import functools
 import math
 from typing import Any, NamedTuple
 
+from ._errors import install
+
 try:
     import optax
 except ImportError as err:  # pragma: no cover - optax comes with the optax and kfac extras
-    raise ImportError("shardvmc.optax needs optax: pip install shardvmc[optax] (or pip install optax).") from err
+    raise ImportError(f"shardvmc.optax needs optax: {install('optax')} (or pip install optax).") from err
 
 import jax
 import jax.numpy as jnp

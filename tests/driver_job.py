@@ -2,12 +2,14 @@
 
 Not a test module itself. ``tests/test_driver.py`` imports it (:func:`pieces`, :func:`job`) and starts it as
 
-    python tests/driver_job.py DIR N_STEPS [--devices D] [--sigterm-at T] [--print] [--no-checkpoint]
+    python tests/driver_job.py DIR N_STEPS [--devices D] [--sigterm-at T] [--sigterm-while-compiling] [--print]
+        [--no-checkpoint]
 
 (also under ``python -m shardvmc.launch``): it runs :func:`job` with the checkpoint directory ``DIR``,
 a JSON-lines log ``DIR/log.jsonl`` and, with ``--sigterm-at T``, a callback that sends this process SIGTERM
-after step ``T`` (a preemption notice at a step fixed by the program, not by a race); the result goes to
-``DIR/result_<process>.json``. Hooke's atom with a two-parameter Jastrow factor, in float64.
+after step ``T`` (a preemption notice at a step fixed by the program, not by a race), with
+``--sigterm-while-compiling`` a step that sends it while the first step is traced (before any step ran); the
+result goes to ``DIR/result_<process>.json``. Hooke's atom with a two-parameter Jastrow factor, in float64.
 """
 
 from __future__ import annotations
@@ -74,10 +76,21 @@ class SigtermAt:
             os.kill(os.getpid(), signal.SIGTERM)
 
 
-def job(mesh: Any, directory: str | None, n_steps: int, **options: Any) -> Any:
-    """The run: ``sv.driver.run`` of the job's step, ``options`` passed on."""
+def sigterm_while_compiling(step: Any) -> Any:
+    """``step`` in a jitted function that sends this process SIGTERM as it is traced: a notice before the first step."""
+
+    def traced(state: Any, key: jax.Array) -> Any:
+        os.kill(os.getpid(), signal.SIGTERM)  # (Python runs the handler at once, in this thread, while tracing)
+        return step(state, key)
+
+    return jax.jit(traced)
+
+
+def job(mesh: Any, directory: str | None, n_steps: int, wrap: Any = None, **options: Any) -> Any:
+    """The run: ``sv.driver.run`` of the job's step (``wrap(step)`` if given), ``options`` passed on."""
     vmc, state = pieces(mesh)
-    return sv.driver.run(vmc.step, state, n_steps, key=jax.random.key(2), checkpoint=directory, **options)
+    step = vmc.step if wrap is None else wrap(vmc.step)
+    return sv.driver.run(step, state, n_steps, key=jax.random.key(2), checkpoint=directory, **options)
 
 
 def params_of(result: Any) -> list[float]:
@@ -91,6 +104,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("n_steps", type=int)
     parser.add_argument("--devices", type=int, default=None)
     parser.add_argument("--sigterm-at", type=int, default=None)
+    parser.add_argument("--sigterm-while-compiling", action="store_true")
     parser.add_argument("--print", action="store_true", help="a PrintLog line per step on standard output")
     parser.add_argument("--no-checkpoint", action="store_true", help="no checkpoints (DIR holds the log alone)")
     args = parser.parse_args(argv)
@@ -105,7 +119,8 @@ def main(argv: list[str]) -> None:
     if args.print:
         out.append(sv.driver.PrintLog(every=1))
     directory = None if args.no_checkpoint else args.directory
-    result = job(sv.create_mesh(), directory, args.n_steps, callbacks=callbacks, out=out, progress=False)
+    wrap = sigterm_while_compiling if args.sigterm_while_compiling else None
+    result = job(sv.create_mesh(), directory, args.n_steps, wrap, callbacks=callbacks, out=out, progress=False)
     summary = {"step": result.step, "status": result.status, "resumed_from": result.resumed_from,
                "energy": result.history["energy"].tolist(), "params": params_of(result)}  # fmt: skip
     with open(os.path.join(args.directory, f"result_{jax.process_index()}.json"), "w") as f:

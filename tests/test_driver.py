@@ -209,10 +209,119 @@ def test_checkpoints_every_n_steps_and_by_time(tmp_path):
     with sv.Checkpointer(tmp_path / "steps" / "state") as ckpt:
         assert ckpt.steps() == [4, 6]  # the cadence and the end
         saved, meta = ckpt.restore({"state": result.state, "key": np.asarray(jax.random.key_data(jax.random.key(2)))})
-    assert meta["step"] == 6 and meta["history"]["energy"] == result.history["energy"].tolist()
+    assert meta == {"step": 6, "user": {}}  # the statistics are in the log, not in every checkpoint
+    assert sv.driver.read_log(tmp_path / "steps" / "log.jsonl")["energy"].tolist() == result.history["energy"].tolist()
     job(mesh_of(8), str(tmp_path / "timed"), 4, checkpoint_every=None, checkpoint_seconds=1e-9, keep=None)
     with sv.Checkpointer(tmp_path / "timed" / "state") as ckpt:
         assert ckpt.steps() == [2, 4]  # due after step 0, saved at the next one; again after the save; the end
+
+
+def test_a_sigterm_while_the_first_step_compiles_requeues_as_a_late_one(tmp_path):
+    """The notice arrives before any step ran (the step sends it as it is traced): saved, exit 75, not killed (143)."""
+    directory = tmp_path / "run"
+    done = _run([sys.executable, str(JOB), str(directory), str(N), "--sigterm-while-compiling"], _env(8))
+    assert done.returncode == sv.distributed.PREEMPTED_EXIT_CODE, done.stdout
+    assert "preemption notice at step 1; saved to" in done.stdout, done.stdout  # the first step that could see it
+    with sv.Checkpointer(directory / "state") as ckpt:
+        assert ckpt.steps() == [1]
+    assert sv.driver.read_log(directory / "log.jsonl")["step"].tolist() == [0]
+
+
+def test_a_notice_before_the_first_step_saves_the_state_it_has(monkeypatch, tmp_path):
+    """A notice taken before the loop's first step (one that came while restoring, say): the state saved, exit 75."""
+    calls = []
+    monkeypatch.setattr(sv.distributed, "reached_preemption", lambda step: calls.append(step) or True)
+    with pytest.raises(SystemExit) as exited:
+        sv.driver.run(STEP, jnp.float64(0.0), 4, key=jax.random.key(0), checkpoint=tmp_path)
+    assert exited.value.code == sv.distributed.PREEMPTED_EXIT_CODE and calls == [0]  # (no step ran)
+    with sv.Checkpointer(tmp_path / "state") as ckpt:
+        assert ckpt.steps() == [0]
+    early = sv.driver.run(STEP, jnp.float64(0.0), 4, key=jax.random.key(0), checkpoint=tmp_path, on_preemption="return")
+    assert early.status == "preempted" and early.reason == "preemption notice at step 0" and early.step == 0
+    monkeypatch.setattr(sv.distributed, "reached_preemption", lambda step: False)
+    result = sv.driver.run(STEP, jnp.float64(0.0), 4, key=jax.random.key(0), checkpoint=tmp_path)
+    assert result.resumed_from == 0 and result.history["energy"].tolist() == [0.0, 0.5, 1.0, 1.5]
+
+
+def _statistics_step(x, key):
+    return x + 1, {"energy": x * 0.5, "error": jnp.float64(0.25), "variance": jnp.sqrt(x)}
+
+
+STATISTICS_STEP = jax.jit(_statistics_step)
+
+
+class _CrashAt:
+    """A callback that raises at step ``at``: a run that dies after logging steps its checkpoint does not have."""
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+
+    def __call__(self, step, stats):
+        if step == self.at:
+            raise RuntimeError(f"crash at step {step}")
+
+
+def test_a_resumed_run_has_the_whole_history_and_its_log_each_step_once(tmp_path):
+    reference = sv.driver.run(STATISTICS_STEP, jnp.float64(0.0), 10, key=jax.random.key(0))
+    with pytest.raises(RuntimeError, match="crash at step 6"):
+        sv.driver.run(STATISTICS_STEP, jnp.float64(0.0), 10, key=jax.random.key(0), checkpoint=tmp_path,
+                      checkpoint_every=4, callbacks=[_CrashAt(6)])  # fmt: skip
+    log = tmp_path / "log.jsonl"
+    assert sv.driver.read_log(log)["step"].tolist() == list(range(7))  # 4, 5 and 6 after the checkpoint at 4
+    with open(log, "a") as f:
+        f.write('{"step": 7, "energy": 3.')  # and a line cut off by a kill
+    result = sv.driver.run(STATISTICS_STEP, jnp.float64(0.0), 10, key=jax.random.key(0), checkpoint=tmp_path)
+    assert result.resumed_from == 4 and result.step == 10
+    for name in ("energy", "error", "variance"):
+        assert result.history[name].tolist() == reference.history[name].tolist(), name
+    back = sv.driver.read_log(log)
+    assert back["step"].tolist() == list(range(10))  # each step once: steps 4-6 of the first run are gone
+    for name in ("energy", "error", "variance", "step_time"):
+        assert back[name].tolist() == result.history[name].tolist(), name  # exact floats, as the result has them
+    again = sv.driver.run(STATISTICS_STEP, jnp.float64(0.0), 10, key=jax.random.key(0), checkpoint=tmp_path)
+    assert again.resumed_from == 10 and again.history["step_time"].tolist() == result.history["step_time"].tolist()
+
+
+def test_a_checkpoint_of_every_steps_history_still_resumes(tmp_path):
+    """Checkpoints of 0.4.0 in development carried every step's statistics: their history comes from there."""
+    key = jax.random.key(0)
+    reference = sv.driver.run(STATISTICS_STEP, jnp.float64(0.0), 6, key=key)
+    history = {k: v[:4].tolist() for k, v in reference.history.items()}
+    with sv.Checkpointer(tmp_path / "state") as ckpt:
+        like = {"state": jnp.float64(4.0), "key": np.asarray(jax.random.key_data(key))}
+        ckpt.save(4, like, metadata={"step": 4, "history": history, "user": {}})
+    result = sv.driver.run(STATISTICS_STEP, jnp.float64(0.0), 6, key=key, checkpoint=tmp_path)  # (no log.jsonl)
+    assert result.resumed_from == 4 and result.history["energy"].tolist() == reference.history["energy"].tolist()
+    assert result.history["step_time"][:4].tolist() == history["step_time"]
+    log = sv.driver.read_log(tmp_path / "log.jsonl")  # written from the checkpoint's history, then the new steps
+    assert log["step"].tolist() == list(range(6)) and log["energy"].tolist() == result.history["energy"].tolist()
+
+
+def test_a_lost_log_leaves_nan_in_the_history_and_says_so(tmp_path):
+    sv.driver.run(STATISTICS_STEP, jnp.float64(0.0), 4, key=jax.random.key(0), checkpoint=tmp_path)
+    lines = (tmp_path / "log.jsonl").read_text().splitlines(keepends=True)
+    (tmp_path / "log.jsonl").write_text("".join(lines[:1] + lines[3:]))  # steps 1 and 2 lost
+    with pytest.warns(UserWarning, match=r"lacks the statistics of steps 1-2 of the 4 the checkpoint holds"):
+        result = sv.driver.run(STATISTICS_STEP, jnp.float64(0.0), 6, key=jax.random.key(0), checkpoint=tmp_path)
+    energy = result.history["energy"]
+    assert np.isnan(energy[1:3]).all() and energy[[0, 3, 4, 5]].tolist() == [0.0, 1.5, 2.0, 2.5]
+
+
+def _step_bytes(directory: Path) -> int:
+    return sum(f.stat().st_size for f in directory.rglob("*") if f.is_file())
+
+
+def test_a_checkpoint_does_not_grow_with_the_steps_run(tmp_path):
+    """A save at step 1,000 is the size of one at step 2 (sizes, not times; each step's statistics added ~60 B)."""
+    sv.driver.run(STATISTICS_STEP, jnp.float64(0.0), 2, key=jax.random.key(0), checkpoint=tmp_path, progress=False)
+    sv.driver.run(STATISTICS_STEP, jnp.float64(0.0), 1000, key=jax.random.key(0), checkpoint=tmp_path,
+                  checkpoint_every=None, keep=None, progress=False)  # fmt: skip
+    early, late = (tmp_path / "state" / "2"), (tmp_path / "state" / "1000")
+    header = [(step / "shardvmc" / "metadata").stat().st_size for step in (early, late)]
+    assert header[1] - header[0] <= 8, header  # the step's digits (written twice)
+    # The whole step: orbax's array store splits its data into a varying number of files (a few hundred bytes).
+    assert _step_bytes(late) < _step_bytes(early) + 2048, (_step_bytes(early), _step_bytes(late))
+    assert len(sv.driver.read_log(tmp_path / "log.jsonl")["step"]) == 1000
 
 
 # ----------------------------------------------------------------------------- loggers
@@ -383,9 +492,10 @@ def test_only_process_0_prints_and_logs(tmp_path):
 
 
 def test_preemption_is_watched_only_with_a_checkpoint(monkeypatch, tmp_path):
-    calls = []
+    calls, watched = [], []
     monkeypatch.setattr(sv.distributed, "reached_preemption", lambda step: calls.append(step) or False)
+    monkeypatch.setattr(sv.distributed, "_watch_preemption", lambda **kw: watched.append(kw) or False)
     sv.driver.run(STEP, jnp.float64(0.0), 3, key=jax.random.key(0))  # no signal handler installed
-    assert calls == []
+    assert calls == [] and watched == []
     sv.driver.run(STEP, jnp.float64(0.0), 3, key=jax.random.key(0), checkpoint=tmp_path)
-    assert calls == [1, 2, 3]
+    assert calls == [0, 1, 2, 3] and len(watched) == 1  # the handlers before the restore; a notice before step 0
