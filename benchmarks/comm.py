@@ -8,7 +8,9 @@ process and on 1, 2, 4 processes of one fake device each (gloo over loopback, th
 Modelled: the ring all-reduce cost ``2 (p-1)/p * bytes / B + 2 (p-1) * latency`` and an
 all-to-all ``(p-1)/p * bytes_per_device / B + (p-1) * latency``, at 8, 64, 256, 1024
 GPUs over NVLink and InfiniBand, for the collectives of one VMC step of a network with
-P parameters and N walkers (see ``docs/cluster.md``, "Communication at scale").
+P parameters and N walkers (see ``docs/cluster.md``, "Communication at scale"), and of one
+DMC step (``sv.dmc.DMC``: its statistics, the comb's offsets and halos, and the all-gather
+fallback; the messages and bytes are those of the compiled step, tests/test_comm_model.py).
 
 Usage (from the repository root)::
 
@@ -21,7 +23,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -48,6 +52,7 @@ PARAMS = (10_000, 100_000, 1_000_000)
 WALKER_TOTALS = (4096, 65536)
 CG_ITERATIONS = 100
 SCALARS = 1  # the Mean/Sum scalars of a step's energy kernel: one small all-reduce (latency only)
+DMC_CASES = ((2, 65536), (30, 65536))  # (electrons, walkers in all) of the DMC rows
 WALKER_COST_S = 1e-3  # assumed: one walker's local energy + gradient on one GPU (see docs/cluster.md)
 
 
@@ -63,6 +68,107 @@ def alltoall_s(total_bytes: float, p: int, bandwidth: float, latency: float) -> 
     if p == 1:
         return 0.0
     return (p - 1) / p * (total_bytes / p) / bandwidth + (p - 1) * latency
+
+
+def allgather_s(bytes_per_device: float, p: int, bandwidth: float, latency: float) -> float:
+    """A ring all-gather of ``bytes_per_device`` from each of p devices: (p-1) * bytes / B + (p-1) * latency."""
+    if p == 1:
+        return 0.0
+    return (p - 1) * bytes_per_device / bandwidth + (p - 1) * latency
+
+
+# One DMC step (float64), as compiled: its statistics (10 sums) in one all-reduce, and one all-reduce each of two
+# flags (whether every copy is within the halos; the fallback statistic); each device's weight total in one
+# all-gather; to each neighbour, the halo's walkers field by field and their shares' two ends (int32) by a ppermute
+# each (the weights are not sent: a copy's weight is 1); in the fallback, every walker and every share's end.
+DMC_STATISTICS = 10
+DMC_FLAGS = 2
+DMC_HALO = 32  # sv.dmc.DMC's default halo
+DMC_FIELDS_SENT = 5  # positions, drift, log|psi|, sign, local energy
+
+
+def dmc_walker_numbers(n_electrons: int, ndim: int = 3) -> int:
+    """``n_w``: the float64 numbers of one DMC walker (positions, drift, log|psi|, sign, local energy, weight)."""
+    return 2 * n_electrons * ndim + 4
+
+
+def dmc_step_collectives(n: int, p: int, n_w: int, halo: int = DMC_HALO) -> dict[str, dict[str, tuple[int, int]]]:
+    """The collectives of one DMC step on p devices, N = ``n`` walkers of ``n_w`` float64 numbers each.
+
+    Returns:
+        ``{"every step": {kind: (messages, bytes)}, "fallback only": {...}}``, ``bytes`` the size of each
+        collective's result on one device, summed over its messages; empty on one device.
+    """
+    if p == 1:
+        return {"every step": {}, "fallback only": {}}
+    per_device = -(-n // p)  # the walkers of one device (the last ones padding)
+    h = min(halo, per_device)
+    sent = 8 * (n_w - 1)  # a walker's numbers but its weight
+    return {
+        "every step": {
+            "all-reduce": (1 + DMC_FLAGS, 8 * (DMC_STATISTICS + DMC_FLAGS)),
+            "all-gather": (1, 8 * p),
+            "collective-permute": (2 * (DMC_FIELDS_SENT + 2), 2 * h * (sent + 2 * 4)),
+        },
+        "fallback only": {"all-gather": (DMC_FIELDS_SENT + 1, p * per_device * (sent + 4))},
+    }
+
+
+def dmc_step_comm_s(
+    n: int, p: int, n_w: int, bandwidth: float, latency: float, halo: int = DMC_HALO, fallback: float = 0.0
+) -> float:
+    """Seconds of communication in one DMC step: every message a latency; ``fallback`` the share of its steps."""
+    if p == 1:
+        return 0.0
+    parts = dmc_step_collectives(n, p, n_w, halo)
+    every = parts["every step"]
+    reduces = ring_allreduce_s(8 * DMC_STATISTICS, p, bandwidth, latency) + DMC_FLAGS * ring_allreduce_s(
+        8, p, bandwidth, latency
+    )
+    offsets = allgather_s(8, p, bandwidth, latency)
+    messages, nbytes = every["collective-permute"]
+    halos = messages * latency + nbytes / bandwidth  # (both directions at once on a full-duplex link: an upper bound)
+    gathers, gathered = parts["fallback only"]["all-gather"]
+    fallback_s = (gathers - 1) * (p - 1) * latency + allgather_s(gathered / p, p, bandwidth, latency)
+    return reduces + offsets + halos + fallback * fallback_s
+
+
+_SHAPE = re.compile(r"=\s*\(?((?:[a-z]+\d*\[[\d,]*\](?:\{[^}]*\})?(?:,\s*)?)+)\)?\s+(?:all-gather|all-reduce|"
+                    r"collective-permute)(?:-start)?\(")  # fmt: skip
+_ARRAY = re.compile(r"([a-z]+)(\d*)\[([\d,]*)\]")
+_BITS = {"pred": 8}
+_ANY = re.compile(r"\s(?:all-gather|all-reduce|collective-permute)(?:-start)?\(")
+
+
+def _bytes(shapes: str) -> int:
+    total = 0
+    for kind, bits, dims in _ARRAY.findall(shapes):
+        size = math.prod(int(d) for d in dims.split(",") if d) if dims else 1
+        total += size * (int(bits) if bits else _BITS.get(kind, 8)) // 8
+    return total
+
+
+def step_collectives(hlo: str) -> dict[str, dict[str, list[int]]]:
+    """``{"every step" | "fallback only": {kind: [messages, bytes per device]}}`` of a compiled step's HLO text.
+
+    The bytes are each collective's result on one device (an all-gather's gathered result; a ``ppermute``'s
+    message); a collective inside a ``cond``'s branch (the comb's fallback) counts as fallback-only.
+    """
+    rows: dict[str, dict[str, list[int]]] = {"every step": {}, "fallback only": {}}
+    for line in hlo.splitlines():
+        match = _SHAPE.search(line)
+        if not match or "-done" in line:
+            continue
+        kind = next(k for k in ("all-gather", "all-reduce", "collective-permute") if f" {k}" in line)
+        where = "fallback only" if "/cond/branch" in line else "every step"
+        entry = rows[where].setdefault(kind, [0, 0])
+        entry[0] += 1
+        entry[1] += _bytes(match.group(1))
+    found = sum(n for part in rows.values() for n, _ in part.values())
+    starts = len(_ANY.findall(hlo))
+    if found != starts:
+        raise RuntimeError(f"parsed {found} collectives, the program has {starts}")
+    return rows
 
 
 def step_comm_s(method: str, n: int, params: int, p: int, bandwidth: float, latency: float) -> float:
@@ -133,6 +239,21 @@ def model_tables() -> tuple[str, dict[str, Any]]:
             row = [max_gpus(method, params, n, bw, lat) for n in WALKER_TOTALS]
             data[f"max GPUs {method} P={params}"] = row
             lines.append(f"| {method} | {params:.0e} | " + " | ".join(str(g) for g in row) + " |")
+    lines.append(
+        "\nModelled DMC step (float64, a halo of 32 walkers), microseconds of communication; 'fallback' rows: the "
+        "all-gather of every walker in every step (its worst case), against the VMC step's gradient all-reduce:\n"
+    )
+    lines.append("| link | electrons | N | step | " + " | ".join(f"{g} GPUs" for g in GPUS) + " |")
+    lines.append("|---|---|---|---|" + "---|" * len(GPUS))
+    for link, (bw, lat) in LINKS.items():
+        for electrons, n in DMC_CASES:
+            n_w = dmc_walker_numbers(electrons)
+            for label, share in (("DMC", 0.0), ("DMC, fallback", 1.0)):
+                row = [dmc_step_comm_s(n, g, n_w, bw, lat, fallback=share) * 1e6 for g in GPUS]
+                data[f"dmc {link} electrons={electrons} N={n} {label}"] = row
+                lines.append(f"| {link} | {electrons} | {n} | {label} | " + " | ".join(f"{t:.3g}" for t in row) + " |")
+        row = [step_comm_s("gradient", 0, 100_000, g, bw, lat) * 1e6 for g in GPUS]
+        lines.append(f"| {link} | - | - | VMC gradient, P = 1e+05 | " + " | ".join(f"{t:.3g}" for t in row) + " |")
     return "\n".join(lines), data
 
 

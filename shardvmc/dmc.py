@@ -24,7 +24,8 @@ walker) onto the lowest state of its nodal pocket with the algorithm of Umrigar,
 
 What travels between devices per step (docs/dmc.md): one all-reduce of 10 scalars (the step's
 statistics), one all-gather of one scalar per device (the devices' weight totals: each device's offset in
-the global prefix sum), one all-reduce of one flag, and, to move the copies to their slots, a halo of
+the global prefix sum), two all-reduces of one flag each (whether every copy is within reach, and the
+``fallback`` statistic), and, to move the copies to their slots, a halo of
 ``halo`` walkers to each neighbouring device (``ppermute``); only when some device's copies reach farther
 than its neighbours' halos (a weight imbalance of more than ``halo`` walkers at a device boundary, counted
 in the statistics as ``fallback``) every walker is all-gathered instead. No position is read on the host;

@@ -155,6 +155,7 @@ def checks(mesh: Any) -> dict[str, Any]:
         "mean_host": _specs(kernels["mean_host"]),
     }
     out["kfac"] = kfac_checks(mesh)
+    out["dmc"] = dmc_checks(mesh)
     return out
 
 
@@ -188,6 +189,30 @@ def kfac_checks(mesh: Any) -> dict[str, Any]:
                 p, state, stats = opt.step(p, state, jax.random.key(t), batch=r, momentum=0.0, damping=1e-3)
             out[name] = {"params": _host(p), "energy": float(stats["aux"]["energy"]), "n": int(stats["batch_size"])}
     return out
+
+
+def dmc_checks(mesh: Any, n_steps: int = 4) -> dict[str, Any]:
+    """A few DMC steps of two particles in a 3-D oscillator, float64, 13 walkers (padded on 4 devices).
+
+    Each step's statistics and the final walkers. The trial function ``exp(-0.2 r^2)`` is far from the ground
+    state's ``exp(-0.5 r^2)`` and the walkers start spread out, so the weights differ a lot: with a halo of one
+    walker the copies of some steps reach past it, and both of the comb's routes (the neighbours' halos, and
+    the all-gather fallback) cross the processes.
+    """
+    with jax.enable_x64(True):
+        r = 2.0 * host_walkers(13).astype(np.float64)  # host data, the same on every process
+        walkers = sv.initialize_walkers_sharded(None, 13, mesh, initial_walkers=r)
+        dmc = sv.dmc.DMC(lambda a, x: -a * jnp.sum(x**2), lambda x: 0.5 * jnp.sum(x**2), time_step=0.1, halo=1)
+        state = dmc.init(np.float64(0.2), walkers)
+        steps = []
+        for t in range(n_steps):
+            state, stats = dmc.step(state, jax.random.fold_in(jax.random.key(5), t))
+            steps.append(_host(stats))
+        final = _host(state.walkers)
+        return {
+            "steps": {name: [s[name] for s in steps] for name in steps[0]},
+            "walkers": {name: value[:13] for name, value in final._asdict().items()},
+        }
 
 
 def local_facts(mesh: Any) -> dict[str, Any]:

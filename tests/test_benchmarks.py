@@ -170,6 +170,14 @@ def test_checkpoint_io_reports_what_the_checksums_cost(tmp_path):
     assert data["checksums share of the state's commit"] > 0 and data["checksums share of the state's restore"] > 0
 
 
+def test_checkpoint_history_reports_saves_at_two_run_lengths(tmp_path):
+    _, data = _run("checkpoint.py", "history", "--at", "40", "400", "--saves", "2", "--reps", "1", tmp_path=tmp_path)
+    for length in ("40", "400"):
+        assert data[length]["save s"] > 0 and data[length]["bytes"] > 0, length
+    # sizes, not times: a checkpoint does not grow with the run, one with the history in its metadata does
+    assert data["bytes ratio"] < 1.2 and data["history in the metadata: bytes ratio"] > 2
+
+
 def test_deepqmc_comparison_runs_its_shardvmc_side_without_deepqmc(tmp_path):
     # DeepQMC is an optional benchmark dependency (pip install -e ".[bench]"), not in the test environment:
     # --smoke runs shardvmc's side of benchmarks/deepqmc.py alone (the examples' network of LiH standing in for
@@ -190,3 +198,20 @@ def test_deepqmc_comparison_runs_its_shardvmc_side_without_deepqmc(tmp_path):
     assert runs["3"]["energy_max_diff"] < 1e-3 and runs["3"]["params_max_diff"] < 1e-3  # float32 round-off
     assert data["lines"]["deepqmc"] > 0 and data["lines"]["shardvmc"] > 0
     assert "| 8 |" in stdout
+
+
+@pytest.mark.end_to_end  # a smoke run of benchmarks/dmc.py: once, on CI's first leg
+def test_dmc_script_prints_the_energies_the_step_ratios_and_the_traffic(tmp_path):
+    stdout, data = _run("dmc.py", "--quick", tmp_path=tmp_path)
+    assert "smoke run" in stdout and "| helium |" in stdout and "extrapolated to tau = 0" in stdout
+    (name,) = data["energies"]
+    e0, err0 = data["energies"][name]["extrapolated"]
+    assert name == "helium" and err0 > 0 and -3.5 < e0 < -2.3  # 16 walkers x 12 steps: loosely
+    ratios = data["timing"]["ratios"]
+    assert set(ratios) == {"VMC, 1 move", "VMC, 10 moves (default)"} and all(r[0] > 0 for r in ratios.values())
+    traffic = data["traffic"]
+    assert traffic["devices"] == 8 and traffic["steps"] == 3
+    every, fallback = traffic["collectives"]["every step"], traffic["collectives"]["fallback only"]
+    # the step's statistics, the halo flag and the fallback flag; the devices' weight totals; the halos both ways
+    assert every["all-reduce"][0] == 3 and every["all-gather"] == [1, 8 * 8] and every["collective-permute"][0] > 0
+    assert set(fallback) == {"all-gather"}  # every walker, only when a copy reaches past the halos

@@ -59,3 +59,36 @@ def test_model_only_prints_the_tables(capsys):
     comm.main(["--model-only"])
     out = capsys.readouterr().out
     assert "Modelled all-reduce" in out and "| minSR | 1e+06 |" in out and "Strong scaling" in out
+
+
+def test_the_dmc_step_costs_add_up():
+    bandwidth, latency = IB
+    n, p, n_w = 65536, 64, comm.dmc_walker_numbers(2)
+    assert n_w == 16 and comm.dmc_step_comm_s(n, 1, n_w, bandwidth, latency, fallback=1.0) == 0.0
+    plain = comm.dmc_step_comm_s(n, p, n_w, bandwidth, latency)
+    reduces = comm.ring_allreduce_s(80, p, bandwidth, latency) + 2 * comm.ring_allreduce_s(8, p, bandwidth, latency)
+    halos = 14 * latency + 2 * 32 * (8 * 15 + 8) / bandwidth
+    assert plain == pytest.approx(reduces + comm.allgather_s(8, p, bandwidth, latency) + halos)
+    # the fallback gathers every walker: it grows with N, the rest does not
+    worst = comm.dmc_step_comm_s(n, p, n_w, bandwidth, latency, fallback=1.0)
+    assert worst - plain > 8 * n * 15 / bandwidth
+    assert comm.dmc_step_comm_s(4 * n, p, n_w, bandwidth, latency) == pytest.approx(plain)
+
+
+@pytest.mark.parametrize("walkers, devices, halo", [(101, 8, 32), (29, 3, 4)])
+def test_the_dmc_model_is_the_compiled_step(walkers, devices, halo):
+    """Messages and bytes per device of every collective of the compiled DMC step, as dmc_step_collectives says."""
+    import jax
+    import jax.numpy as jnp
+
+    import shardvmc as sv
+
+    mesh = sv.create_mesh(jax.devices()[:devices])
+    with jax.enable_x64(True):
+        dmc = sv.dmc.DMC(lambda a, r: -a * jnp.sum(r**2), lambda r: 0.5 * jnp.sum(r**2), time_step=0.05, halo=halo)
+        init = lambda k: jax.random.normal(k, (2, 3))  # noqa: E731  (2 particles: n_w = 16)
+        state = dmc.init(jnp.float64(0.4), sv.initialize_walkers_sharded(init, walkers, mesh, key=jax.random.key(0)))
+        compiled = dmc._step.lower(state, jax.random.key(1), mesh=mesh).compile()
+    got = comm.step_collectives(compiled.as_text())
+    want = comm.dmc_step_collectives(walkers, devices, comm.dmc_walker_numbers(2), halo)
+    assert got == {where: {kind: list(v) for kind, v in kinds.items()} for where, kinds in want.items()}

@@ -306,7 +306,7 @@ def test_everything_equals_the_single_process_run(toolkit, single_process):
                 assert multi[name] == single_process[name], name
             elif name in ("kernels", "reductions"):
                 assert_close(multi[name], single_process[name], rtol=1e-6, atol=1e-7, where=name)
-            elif name == "kfac":  # float64: the round-off of the sums over devices, no more
+            elif name in ("kfac", "dmc"):  # float64: the round-off of the sums over devices, no more
                 assert_close(multi[name], single_process[name], rtol=1e-10, atol=1e-12, where=name)
             else:  # placement: exactly the same values and shardings
                 assert multi[name] == single_process[name], name
@@ -323,6 +323,24 @@ def test_kfac_with_the_fields_losses_takes_one_devices_step_on_two_processes(too
             assert got[name]["n"] == mp_worker.N_UNEVEN
             assert abs(got[name]["params"]["a"] - 0.4) > 1e-4, "the steps must move the parameters"
         assert_close(got, one, rtol=1e-10, atol=1e-12, where="kfac")
+
+
+def test_dmc_on_two_processes_is_the_run_of_one_device(toolkit):
+    """DMC on 2 x 2 devices and 13 walkers: every step's statistics and the final walkers of one device.
+
+    The comb's copies cross the processes by the halos and, where they reach farther, by the all-gather
+    fallback: both routes run (the fallback statistic says which), and neither changes the run.
+    """
+    one = json.loads(json.dumps(mp_worker.dmc_checks(sv.create_mesh(jax.devices()[:1]))))
+    assert one["steps"]["fallback"] == [0.0] * 4  # (one device: nothing to gather)
+    for result in toolkit:
+        got = result["checks"]["dmc"]
+        fallback = got["steps"].pop("fallback")
+        assert 0.0 in fallback and 1.0 in fallback, fallback
+        steps = {name: value for name, value in one["steps"].items() if name != "fallback"}
+        assert got["steps"].keys() == steps.keys()
+        assert_close(got["steps"], steps, rtol=1e-10, atol=1e-12, where="dmc steps")
+        assert_close(got["walkers"], one["walkers"], rtol=1e-10, atol=1e-12, where="dmc walkers")
 
 
 # ---------------------------------------------------------------- the example

@@ -1,0 +1,364 @@
+"""Diffusion Monte Carlo: exact energies extrapolated in the time step, a DMC step against a VMC step, its traffic.
+
+Three parts, each printed as a markdown table:
+
+- **energies**: fixed-node DMC (``sv.dmc.DMC``, float64) of three nodeless ground states, helium,
+  Hooke's atom (two electrons in a trap of frequency 1/2) and H2 at R = 1.4 bohr, with the trial
+  functions of ``tests/test_dmc.py`` (the exact cusps and a Pade Jastrow factor; bonding 1s orbitals
+  for H2), at two time steps, each run's energy from ``sv.dmc.energy`` (the first 20 % of the steps
+  discarded) and the two extrapolated to ``tau = 0`` with ``sv.dmc.extrapolate``, against the exact
+  energies (-2.903724, 2, -1.174476 Ha).
+- **timing**: one DMC step against one ``sv.driver.VMC`` step with the same local energy
+  (``sv.hamiltonian.local_energy``, folx) and the same walkers (helium), the VMC step's sampler
+  ``sv.mcmc.Metropolis(n_steps=1)`` (one move per step, as DMC's one drift-diffusion move) and the
+  default (10 moves). Interleaved blocks of ``--block`` steps (the variants in turn, the order reversed
+  every other round, after two warm-up blocks each); the figure is the median over ``--rounds`` of the
+  per-round ratio DMC / VMC, with its quartiles.
+- **traffic**: what a DMC step communicates, from the compiled step on a mesh of 8 devices (the
+  collectives by kind, their messages and bytes per device, every step and in the all-gather fallback
+  only), and how often the fallback ran in ``--traffic-steps`` steps of helium on that mesh (the
+  ``fallback`` statistic).
+
+Usage (from the repository root)::
+
+    python benchmarks/dmc.py                       # every part (tens of minutes on 2 CPU cores)
+    python benchmarks/dmc.py --only timing --devices 8 --timing-walkers 4096
+    python benchmarks/dmc.py --quick               # a smoke run of seconds: tiny sizes
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+from comm import step_collectives  # this folder is on sys.path when run as a script
+from harness import count_collectives, interleaved, ratio
+
+from shardvmc.testing import set_cpu_devices  # imports jax; starts no backend
+
+EXACT = {"helium": -2.903724377, "hooke": 2.0, "H2": -1.174475714}
+COMM_DEVICES = 8  # the mesh the traffic part compiles the step for
+DEFAULTS = {"walkers": 2000, "steps": 3000, "timing_walkers": 4096, "rounds": 15, "block": 5, "traffic_steps": 200}
+QUICK = {"walkers": 16, "steps": 12, "timing_walkers": 16, "rounds": 2, "block": 1, "traffic_steps": 3}
+PARTS = ("energies", "timing", "traffic")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="tiny sizes and few repetitions (a smoke run)")
+    parser.add_argument("--devices", type=int, default=1, help="devices of the energy and timing runs (default 1)")
+    parser.add_argument("--only", default=",".join(PARTS), help=f"comma-separated parts of {PARTS}")
+    parser.add_argument("--time-steps", default="0.1,0.05", help="the time steps of the energy runs")
+    parser.add_argument("--systems", default=None, help=f"of {tuple(EXACT)} (default all; --quick: helium)")
+    for name, default in DEFAULTS.items():
+        flag = "--" + name.replace("_", "-")
+        parser.add_argument(flag, type=int, help=f"(default {default}; --quick: {QUICK[name]})")
+    parser.add_argument("--json", default="", help="also write the results to this JSON file")
+    args = parser.parse_args(argv)
+    for name, default in DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, QUICK[name] if args.quick else default)
+    args.systems = (args.systems or ("helium" if args.quick else ",".join(EXACT))).split(",")
+    if set(args.systems) - set(EXACT):
+        parser.error(f"unknown systems {sorted(set(args.systems) - set(EXACT))}; choose from {tuple(EXACT)}")
+    args.only = [part.strip() for part in args.only.split(",") if part.strip()]
+    unknown = set(args.only) - set(PARTS)
+    if unknown:
+        parser.error(f"unknown parts {sorted(unknown)}; choose from {PARTS}")
+    args.time_steps = [float(t) for t in args.time_steps.split(",")]
+    return args
+
+
+# --------------------------------------------------------------------------------------------
+# The systems (as tests/test_dmc.py's): log|psi| of one walker, the potential, the parameter, the start
+
+
+def systems() -> dict[str, dict[str, Any]]:
+    import jax
+    import jax.numpy as jnp
+
+    import shardvmc as sv
+
+    def jastrow(b: jax.Array, r: jax.Array) -> jax.Array:
+        r12 = jnp.linalg.norm(r[0] - r[1])
+        return r12 / (2.0 * (1.0 + b * r12))
+
+    def helium(b: jax.Array, r: jax.Array) -> jax.Array:
+        return -2.0 * jnp.sum(jnp.linalg.norm(r, axis=-1)) + jastrow(b, r)
+
+    def hooke(b: jax.Array, r: jax.Array) -> jax.Array:
+        return -jnp.sum(r**2) / 4.0 + jastrow(b, r)
+
+    nuclei = jnp.array([[0.0, 0.0, -0.7], [0.0, 0.0, 0.7]])
+
+    def h2(b: jax.Array, r: jax.Array) -> jax.Array:
+        d = jnp.linalg.norm(r[:, None, :] - nuclei[None], axis=-1)  # (electron, nucleus)
+        orbital = jax.nn.logsumexp(-d, axis=1)  # log(exp(-|r - A|) + exp(-|r - B|)): the bonding 1s orbital
+        return jnp.sum(orbital) + jastrow(b, r)
+
+    return {
+        "helium": {
+            "log_psi": helium,
+            "potential": lambda r: sv.hamiltonian.coulomb(r, charges=[2.0], coords=[[0.0, 0.0, 0.0]]),
+            "b": 0.3,
+            "scale": 0.7,
+        },
+        "hooke": {
+            "log_psi": hooke,
+            "potential": lambda r: jnp.sum(r**2) / 8.0 + sv.hamiltonian.coulomb(r),
+            "b": 0.5,
+            "scale": 1.5,
+        },
+        "H2": {
+            "log_psi": h2,
+            "potential": lambda r: sv.hamiltonian.coulomb(r, charges=[1.0, 1.0], coords=nuclei),
+            "b": 0.3,
+            "scale": 1.0,
+        },
+    }
+
+
+def walkers_of(system: dict[str, Any], n: int, mesh: Any, seed: int = 0) -> Any:
+    import jax
+
+    import shardvmc as sv
+
+    scale = system["scale"]
+    init = lambda k: scale * jax.random.normal(k, (2, 3))  # noqa: E731
+    return sv.initialize_walkers_sharded(init, n, mesh, key=jax.random.key(seed))
+
+
+# --------------------------------------------------------------------------------------------
+# The parts
+
+
+def energies(args: argparse.Namespace, mesh: Any) -> dict[str, Any]:
+    """Every system at every time step, and the extrapolation; with the runs' branching statistics."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import shardvmc as sv
+
+    out: dict[str, Any] = {}
+    for name, system in systems().items():
+        if name not in args.systems:
+            continue
+        runs = {}
+        for tau in args.time_steps:
+            dmc = sv.dmc.DMC(system["log_psi"], system["potential"], time_step=tau, mesh=mesh)
+            state = dmc.init(jnp.float64(system["b"]), walkers_of(system, args.walkers, mesh))
+            start = time.perf_counter()
+            result = sv.driver.run(dmc.step, state, args.steps, key=jax.random.key(1), progress=False)
+            seconds = time.perf_counter() - start
+            if result.status != "finished":
+                raise RuntimeError(f"{name} at tau = {tau}: the run {result.status}: {result.reason}")
+            e = sv.dmc.energy(result, discard=0.2)
+            history = result.history
+            runs[tau] = {
+                "energy": float(e.mean),
+                "error": float(e.error_of_mean),
+                "tau_corr": float(e.tau_corr),
+                "acceptance": float(np.mean(history["acceptance"])),
+                "tau_eff": float(history["tau_eff"][-1]),
+                "nonfinite": int(np.sum(history["nonfinite"])),
+                "node_crossings": int(np.sum(history["node_crossings"])),
+                "effective_walkers": float(np.mean(history["effective_walkers"])),
+                "seconds": seconds,
+            }
+            print(f"  {name} tau={tau}: {e.mean:.5f} +- {e.error_of_mean:.5f} ({seconds:.0f} s)", flush=True)
+        taus = list(runs)
+        e0, err0 = sv.dmc.extrapolate(taus, [(runs[t]["energy"], runs[t]["error"]) for t in taus])
+        out[name] = {"runs": {str(t): run for t, run in runs.items()}, "extrapolated": [e0, err0]}
+    return out
+
+
+def energies_table(data: dict[str, Any], args: argparse.Namespace) -> str:
+    taus = args.time_steps
+    head = " | ".join(f"tau = {t:g}" for t in taus)
+    lines = [
+        f"DMC energies (Ha), {args.walkers} walkers x {args.steps} steps per time step, float64, the first 20 % "
+        f"discarded; error bars from sv.dmc.energy:\n",
+        f"| system | {head} | extrapolated to tau = 0 | exact | (E_0 - exact) / error |",
+        "|---|" + "---|" * len(taus) + "---|---|---|",
+    ]
+    for name, item in data.items():
+        cells = [fmt(item["runs"][str(t)]["energy"], item["runs"][str(t)]["error"]) for t in taus]
+        e0, err0 = item["extrapolated"]
+        lines.append(
+            f"| {name} | " + " | ".join(cells) + f" | {fmt(e0, err0)} | {EXACT[name]:.6f} | "
+            f"{(e0 - EXACT[name]) / err0:+.1f} |"
+        )
+    return "\n".join(lines)
+
+
+def fmt(mean: float, error: float) -> str:
+    """``-2.90413(46)``: the error in units of the last two digits shown."""
+    if not (error > 0 and math.isfinite(error)):
+        return f"{mean:.6f}"
+    digits = max(0, 1 - math.floor(math.log10(error)))
+    return f"{mean:.{digits}f}({round(error * 10**digits):d})"
+
+
+def timing(args: argparse.Namespace, mesh: Any) -> dict[str, Any]:
+    """Seconds per step of DMC and of VMC (1 and 10 Metropolis moves), interleaved; their ratios."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    import shardvmc as sv
+
+    system = systems()["helium"]
+    log_psi, potential = system["log_psi"], system["potential"]
+    params = jnp.float64(system["b"])
+    walkers = walkers_of(system, args.timing_walkers, mesh)
+    dmc = sv.dmc.DMC(log_psi, potential, time_step=0.05, mesh=mesh)
+    energy = sv.hamiltonian.local_energy(log_psi, potential)
+    states: dict[str, Any] = {"DMC": dmc.init(params, walkers)}
+    steps: dict[str, Any] = {"DMC": dmc.step}
+    for label, sampler in (
+        ("VMC, 1 move", sv.mcmc.Metropolis(log_psi, n_steps=1, mesh=mesh)),
+        ("VMC, 10 moves (default)", None),
+    ):
+        vmc = sv.driver.VMC(log_psi, optax.sgd(1e-3), local_energy=energy, sampler=sampler, mesh=mesh)
+        states[label] = vmc.init(params, walkers)
+        steps[label] = vmc.step
+    key = jax.random.key(2)
+
+    def thunk(label: str) -> Any:
+        def run() -> Any:
+            state = states[label]
+            for _ in range(args.block):
+                state, stats = steps[label](state, key)
+            states[label] = state
+            return stats
+
+        return run
+
+    times = interleaved({label: thunk(label) for label in states}, args.rounds)
+    per_step = {label: sorted(t)[len(t) // 2] / args.block for label, t in times.items()}
+    ratios = {label: ratio(times, "DMC", label) for label in states if label != "DMC"}
+    return {
+        "walkers": args.timing_walkers,
+        "devices": mesh.devices.size,
+        "seconds_per_step": per_step,
+        "ratios": {label: [r.median, r.q25, r.q75, r.reps] for label, r in ratios.items()},
+    }
+
+
+def timing_table(data: dict[str, Any], args: argparse.Namespace) -> str:
+    lines = [
+        f"A DMC step against a VMC step with the same local energy and walkers (helium, {data['walkers']} walkers, "
+        f"float64, {data['devices']} device{'s' if data['devices'] > 1 else ''}; {args.rounds} interleaved rounds "
+        f"of {args.block} steps each):\n",
+        "| DMC step / ... | ratio, median [quartiles] | ms per step (median): DMC, the other |",
+        "|---|---|---|",
+    ]
+    dmc_ms = data["seconds_per_step"]["DMC"] * 1e3
+    for label, (median, q25, q75, _) in data["ratios"].items():
+        other = data["seconds_per_step"][label] * 1e3
+        lines.append(f"| {label} | {median:.3f} [{q25:.3f}, {q75:.3f}] | {dmc_ms:.3g}, {other:.3g} |")
+    return "\n".join(lines)
+
+
+def traffic(args: argparse.Namespace, devices: list[Any]) -> dict[str, Any]:
+    """The collectives of the compiled DMC step on ``devices`` (``comm.step_collectives``), and a short run there."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import shardvmc as sv
+
+    mesh = sv.create_mesh(devices)
+    system = systems()["helium"]
+    walkers = args.timing_walkers
+    dmc = sv.dmc.DMC(system["log_psi"], system["potential"], time_step=0.05, mesh=mesh)
+    state = dmc.init(jnp.float64(system["b"]), walkers_of(system, walkers, mesh))
+    compiled = dmc._step.lower(state, jax.random.key(0), mesh=mesh).compile()
+    rows = step_collectives(compiled.as_text())
+    counts = count_collectives(compiled)
+    step = lambda state, key: compiled(state, key)  # noqa: E731  (the program counted above)
+    result = sv.driver.run(step, state, args.traffic_steps, key=jax.random.key(3), progress=False)
+    history = result.history
+    per_device = -(-walkers // len(devices))
+    return {
+        "walkers": walkers,
+        "devices": len(devices),
+        "per_device": per_device,
+        "halo": min(32, per_device),
+        "collectives": rows,
+        "counts": counts,
+        "steps": int(len(history["fallback"])),
+        "fallback_steps": int(np.sum(history["fallback"])),
+        "resampled_steps": int(np.sum(history["resampled"])),
+        "effective_walkers": float(np.mean(history["effective_walkers"])),
+    }
+
+
+def traffic_table(data: dict[str, Any]) -> str:
+    lines = [
+        f"What a DMC step communicates (helium, {data['walkers']} walkers on {data['devices']} devices: "
+        f"{data['per_device']} per device, a halo of {data['halo']}; from the compiled step; bytes: each "
+        "collective's result on one device):\n",
+        "| when | collective | messages | bytes per device |",
+        "|---|---|---|---|",
+    ]
+    for where, kinds in data["collectives"].items():
+        for kind, (n, nbytes) in sorted(kinds.items()):
+            lines.append(f"| {where} | {kind} | {n} | {nbytes} |")
+    lines.append(
+        f"\nIn {data['steps']} steps of that run (tau = 0.05, from the trial function's walkers): the comb ran "
+        f"{data['resampled_steps']} times, the fallback {data['fallback_steps']} times; the weights' mean "
+        f"effective count {data['effective_walkers']:.1f} of {data['walkers']}."
+    )
+    return "\n".join(lines)
+
+
+def runs_table(data: dict[str, Any]) -> str:
+    lines = [
+        "The energy runs (acceptance: the mean over the steps; tau_eff: at the end; tau_corr: of the steps' "
+        "series, in steps):\n",
+        "| system | tau | acceptance | tau_eff | tau_corr | mean effective walkers | nonfinite | seconds |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, item in data.items():
+        for tau, run in item["runs"].items():
+            lines.append(
+                f"| {name} | {tau} | {run['acceptance']:.4f} | {run['tau_eff']:.4f} | {run['tau_corr']:.1f} | "
+                f"{run['effective_walkers']:.1f} | {run['nonfinite']} | {run['seconds']:.0f} |"
+            )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    set_cpu_devices(max(args.devices, COMM_DEVICES if "traffic" in args.only else 1))
+    import jax
+
+    import shardvmc as sv
+
+    jax.config.update("jax_enable_x64", True)
+    mesh = sv.create_mesh(jax.devices()[: args.devices])
+    report: dict[str, Any] = {"args": {k: v for k, v in vars(args).items()}}
+    if args.quick:
+        print("smoke run (--quick): tiny sizes, the figures mean nothing\n")
+    if "energies" in args.only:
+        report["energies"] = energies(args, mesh)
+        print(energies_table(report["energies"], args), end="\n\n")
+        print(runs_table(report["energies"]), end="\n\n", flush=True)
+    if "timing" in args.only:
+        report["timing"] = timing(args, mesh)
+        print(timing_table(report["timing"], args), end="\n\n", flush=True)
+    if "traffic" in args.only:
+        report["traffic"] = traffic(args, jax.devices()[:COMM_DEVICES])
+        print(traffic_table(report["traffic"]), flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
