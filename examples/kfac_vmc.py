@@ -36,7 +36,7 @@ class Config(vmc.Config):
 # --8<-- [start:step]
 @functools.cache
 def make_steps(config: vmc.Config, mesh: Any) -> vmc.Steps:
-    """KFAC with FermiNet's settings (``base_config.py``), except the step: the natural gradient's schedule and norm.
+    """KFAC with FermiNet's settings (``base_config.py``), but the natural gradient's schedule and norm.
 
     FermiNet's lr 0.05 and norm constraint 1e-3 are made for 1e5 steps (``docs/neural.md``).
     """

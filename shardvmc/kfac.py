@@ -1,37 +1,38 @@
-"""KFAC from kfac-jax on walker-sharded batches: FermiNet's optimiser, without ``pmap``.
+"""KFAC from kfac-jax on walker-sharded batches: FermiNet's and DeepQMC's optimiser, without ``pmap``.
+
+The whole job: ``sv.driver.VMC(log_psi, sv.kfac.KFAC(), potential, clipping=sv.loss.ClipMAD())``
+(:class:`KFAC`): the library's energy loss (:func:`energy_loss`, FermiNet's and DeepQMC's
+written once), any walker count, the same step on any device count.
 
 ``shardvmc.kfac.Optimizer`` is ``kfac_jax.Optimizer`` whose ``init`` and ``step`` take
 a walker-sharded batch (a ``sv.WalkerSet`` or a pytree with the walker axis first,
-placed or not) and return kfac-jax's results replicated. The loss is written as for
-FermiNet's ``pmap``: it sees one device's block of walkers and reduces with its own
-collectives over ``pmap_axis_name`` (FermiNet: ``jax.lax.pmean(x, "qmc_pmap_axis")``
-through ``kfac_jax.utils.pmean_if_pmap``).
+placed or not) and return kfac-jax's results replicated. Its loss sees one device's
+block of walkers, as under FermiNet's ``pmap``: :func:`energy_loss`, or one written as
+FermiNet writes it, reducing with its own collectives over ``pmap_axis_name``
+(``kfac_jax.utils.pmean_if_pmap(x, "qmc_pmap_axis")``).
 
-How it runs (the choice, and why): the whole kfac-jax step runs inside one
-``batched=True`` walker-parallel kernel whose mesh axis is named ``pmap_axis_name``,
-with kfac-jax's staging switched off (``staging_context()``) and its step number given
-(``global_step_int``, kfac-jax issue 103). Each device runs exactly what FermiNet's
-``pmap`` runs on it, with the same collectives over the same axis, so with FermiNet's
-settings the step is FermiNet's to round-off on any device count (tested on 1, 3 and
-8). The other route
-that matches, ``kfac_jax.Optimizer(multi_device=False)`` under ``jit`` with GSPMD
-placing the walkers, needs a loss without collectives (FermiNet's ``pmean`` must go)
-and leaves the communication to XLA's partitioner; this one keeps the user's loss as
-FermiNet writes it, its collectives where kfac-jax puts them, and inside the kernel
-``sv.shard_vmap``, ``sv.get_vmap_fn`` and other shardvmc kernels called by the loss run
-as plain vmaps on the block, where kfac-jax's graph matcher sees the layers.
+How it runs: the whole kfac-jax step runs inside one ``batched=True`` walker-parallel
+kernel whose mesh axis is named ``pmap_axis_name``, with kfac-jax's staging switched off
+(``staging_context()``). Inside it ``sv.all_walkers`` gives statistics over every valid
+walker, and ``sv.shard_vmap``, ``sv.get_vmap_fn`` and other shardvmc kernels called by
+the loss run as plain vmaps on the block, where kfac-jax's graph matcher sees the layers.
 
 Differences from kfac-jax's own ``pmap`` step, each deliberate:
 
-- the curvature estimate is averaged over the devices after every step, so the state
-  is the same on every device and carries over to another device count. kfac-jax
-  averages it only when it inverts: with FermiNet's ``inverse_update_period=1`` that is
-  every step too (the average here then costs nothing), with a longer period kfac-jax's
-  devices precondition with their own estimates in between, and the updates drift
-  apart (shardvmc's state is the mean of kfac-jax's per-device ones: tested);
-- ``data_seen`` and ``stats["batch_size"]`` count the walkers of the mesh (kfac-jax
-  multiplies by ``jax.device_count()``, wrong on a mesh of fewer devices);
-- nothing is donated (kfac-jax's ``pmap`` step donates ``params`` and ``state``);
+- **the curvature estimate is kfac-jax's estimate on one device over every valid
+  walker** (``shardvmc/_kfac_compat.py``): padding walkers enter no statistic, and the
+  blocks of parameters outside any recognised layer, which kfac-jax's ``pmap`` estimates
+  from each device's own sum of tangents (an estimate that shrinks with the device
+  count), get the sum over every device. The state is the same on every device and
+  carries over to another device count; the step equals kfac-jax's on one device (tested
+  on 1, 3 and 8 devices and 2 processes, 13 and 1,001 walkers, in float64), for the
+  estimation modes built from the loss's Fisher or GGN (``"fisher_exact"``,
+  ``"fisher_gradients"``, ...; the empirical modes normalise by each device's block);
+- ``data_seen`` and ``stats["batch_size"]`` count the valid walkers of the mesh;
+- per-walker aux values (FermiNet's local energies) are gathered over the devices
+  inside the loss, in walker order (kfac-jax averages the aux over the devices);
+- with FermiNet's settings every step is one program, so ``step`` reads no step number
+  from the host and runs inside ``jax.jit`` as it is; nothing is donated;
 - the loss's ``rng`` on device ``i`` is ``jax.random.fold_in(rng, i)``: one key per
   device, as FermiNet's ``make_different_rng_key_on_all_devices`` gives (a loss that
   splits its key by its block size draws streams that depend on the device count).
@@ -40,10 +41,10 @@ kfac-jax's burn-in (``num_burnin_steps > 0``, its default 10) calls
 ``jax.device_put_replicated``, which JAX 0.10 removed, and is refused: pass
 ``num_burnin_steps=0``, FermiNet's setting. See ``docs/optimisers.md``.
 
-Padding walkers cannot be masked out of a loss shardvmc does not write (its means, its
-gradient and kfac's curvature all average the block), so a batch whose walkers do not
-split evenly over the mesh is refused (``CallError``), and a ``WalkerSet`` with padding
-is passed without it when its valid walkers split evenly.
+Padding walkers cannot be masked out of a loss written for ``pmap`` (its means and its
+gradient average the block): with such a loss a batch whose walkers do not split evenly
+over the mesh is refused (``CallError``); :func:`energy_loss`, or a loss that reduces with
+``sv.all_walkers`` and is passed with ``masks_padding=True``, takes any count.
 
 Importing this module applies, when the installed kfac-jax needs it, the fix of kfac-jax
 0.0.8 for JAX >= 0.9.2 (:data:`KFAC_JAX_PATCHED`; see ``shardvmc/_kfac_compat.py``). On a

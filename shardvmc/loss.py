@@ -160,5 +160,8 @@ class ClipLogSqueeze:
         deviation = e - median
         q = all_walkers.quantile(jnp.abs(deviation), self.quantile)
         w = self.width * q
-        clipped = median + 2 * w * log_squeeze(deviation / (2 * w))
-        return clipped, jnp.abs(deviation) / q < self.exclude_width
+        # every energy at the median (an eigenstate): nothing to squeeze (DeepQMC's formula divides by zero there)
+        spread = q > 0
+        safe = jnp.where(spread, 2 * w, 1.0)
+        clipped = jnp.where(spread, median + safe * log_squeeze(deviation / safe), e)
+        return clipped, jnp.where(spread, jnp.abs(deviation) / jnp.where(spread, q, 1.0), 0.0) < self.exclude_width

@@ -61,7 +61,7 @@ NEEDS = {"kfac_jax": "kfac_jax", "shardvmc.kfac": "kfac_jax"}
 def _public_modules():
     """(module path, __all__) of every public module whose names the reference must list."""
     out = [("shardvmc", list(shardvmc.__all__))]
-    for sub in ("testing", "distributed", "launch", "kfac", "optax", "mcmc", "hamiltonian", "driver"):
+    for sub in ("testing", "distributed", "launch", "kfac", "optax", "mcmc", "hamiltonian", "driver", "dmc", "loss"):
         try:
             module = importlib.import_module(f"shardvmc.{sub}")
         except ImportError:  # its optional dependency is missing, or cannot run on this JAX (shardvmc.kfac says which)
@@ -244,6 +244,14 @@ def test_the_repository_is_named_where_the_install_is():
 def test_the_site_has_an_address():
     # mkdocs writes an empty sitemap.xml without site_url.
     assert re.fullmatch(r"https://\S+/", _mkdocs_setting("site_url"))
+
+
+def test_the_package_links_the_repository_the_site_and_the_changelog():
+    urls = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["urls"]
+    repo, site = _mkdocs_setting("repo_url"), _mkdocs_setting("site_url")
+    expected = {"Repository": repo, "Documentation": site, "Changelog": f"{site}changelog/", "Issues": f"{repo}/issues"}
+    assert urls == expected
+    assert (DOCS / "changelog.md").exists()  # the site's page of CHANGELOG.md
 
 
 def test_the_site_shows_the_packages_version():

@@ -1,0 +1,76 @@
+"""sv.loss: FermiNet's and DeepQMC's clippings against their formulas in numpy, on any device count and padding."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import shardvmc as sv
+
+
+def _log_squeeze(x):  # deepqmc.utils.log_squeeze, in numpy
+    return np.sign(x) * np.log1p((np.abs(x) + x**2 / 2 + np.abs(x) ** 3) / (1 + x**2))
+
+
+def _ferminet(e, width, center):
+    c = np.mean(e) if center == "mean" else np.median(e)
+    mad = np.mean(np.abs(e - c))
+    return np.clip(e, c - width * mad, c + width * mad)
+
+
+def _deepqmc(e, width, quantile, exclude):  # deepqmc.loss.clip.median_log_squeeze_and_mask on one device
+    median = np.median(e)
+    q = np.quantile(np.abs(e - median), quantile)
+    w = width * q
+    return median + 2 * w * _log_squeeze((e - median) / (2 * w)), np.abs(e - median) / q < exclude
+
+
+def _energies(n):
+    rng = np.random.default_rng(n)
+    e = rng.normal(size=n) - 7.4
+    e[::5] += rng.standard_cauchy(size=e[::5].shape) * 3  # heavy tails, as near nodes
+    return e
+
+
+@pytest.mark.parametrize("n_devices", (1, 3, 8))
+@pytest.mark.parametrize("n", (13, 24))
+def test_clippings_equal_their_formulas_over_the_valid_walkers(n_devices, n):
+    e = _energies(n)
+    mesh = sv.create_mesh(jax.devices()[:n_devices])
+    clippings = (sv.loss.ClipMAD(5.0), sv.loss.ClipMAD(2.0, center="median"), sv.loss.ClipLogSqueeze(1.0, 0.5, 2.0))
+
+    @sv.walker_parallel(mesh=mesh)
+    def clip(x: sv.PerWalker[jax.Array]) -> tuple[sv.PerWalker, ...]:
+        return tuple(out for c in clippings for out in c(x))
+
+    padded = sv.WalkerSet(jnp.concatenate([jnp.asarray(e, jnp.float32), jnp.full((3,), 1e6, jnp.float32)]), n)
+    result = clip(padded)  # a WalkerSet of the outputs
+    out = [np.asarray(x)[:n] for x in result.data]  # 3 padding walkers of 1e6 must change nothing
+    np.testing.assert_allclose(out[0], _ferminet(e, 5.0, "mean"), rtol=1e-5)
+    np.testing.assert_allclose(out[2], _ferminet(e, 2.0, "median"), rtol=1e-5)
+    clipped, keep = _deepqmc(e, 1.0, 0.5, 2.0)
+    np.testing.assert_allclose(out[4], clipped, rtol=1e-5)
+    assert out[5].tolist() == keep.tolist() and not keep.all()  # some walkers leave the gradient
+    assert out[1].all() and out[3].all()  # ClipMAD keeps every walker by default
+
+
+def test_an_eigenstates_energies_pass_unchanged():
+    """Every local energy equal (an exact wavefunction): DeepQMC's formula divides by a zero quantile."""
+
+    @sv.walker_parallel
+    def clip(x: sv.PerWalker[jax.Array]) -> tuple[sv.PerWalker, sv.PerWalker, sv.PerWalker]:
+        squeezed, keep = sv.loss.ClipLogSqueeze()(x)
+        return squeezed, keep, sv.loss.ClipMAD()(x)[0]
+
+    squeezed, keep, mad = clip(jnp.full((16,), 1.5))
+    assert np.asarray(squeezed).tolist() == [1.5] * 16 and np.asarray(mad).tolist() == [1.5] * 16
+    assert np.asarray(keep).all()
+
+
+def test_bad_settings_are_refused():
+    for bad in (lambda: sv.loss.ClipMAD(0.0), lambda: sv.loss.ClipMAD(center="mode"),
+                lambda: sv.loss.ClipLogSqueeze(quantile=1.5), lambda: sv.loss.ClipLogSqueeze(width=-1)):  # fmt: skip
+        with pytest.raises(sv.CallError):
+            bad()
