@@ -226,12 +226,12 @@ class Optimizer:
     """``kfac_jax.Optimizer`` on walker-sharded batches: FermiNet's KFAC step on any mesh, without ``pmap``.
 
     Takes every argument of ``kfac_jax.Optimizer`` except ``multi_device`` (and
-    ``debug``, which turns its collectives off). ``value_and_grad_func`` is written as
-    for FermiNet's ``pmap``: it sees one device's block of walkers and reduces with its
-    own collectives over ``pmap_axis_name``.
+    ``debug``, which turns its collectives off). ``value_and_grad_func`` sees one
+    device's block of walkers: :func:`energy_loss`, or a loss written as for FermiNet's
+    ``pmap``, reducing with its own collectives over ``pmap_axis_name``.
 
     Args:
-        value_and_grad_func: as for ``kfac_jax.Optimizer``, e.g.
+        value_and_grad_func: as for ``kfac_jax.Optimizer``: :func:`energy_loss`, or e.g.
             ``jax.value_and_grad(loss, has_aux=True)`` of FermiNet's ``make_loss``.
         l2_reg: as for ``kfac_jax.Optimizer``.
         mesh: the devices; the walkers are split over all its axes. Default: resolved at
@@ -241,6 +241,10 @@ class Optimizer:
         pmap_axis_name: the axis name the loss's collectives use (FermiNet:
             ``"qmc_pmap_axis"``); the kernels run on a mesh axis of this name, the
             optimiser's devices on one axis. Eager calls run there under any mesh context.
+        masks_padding: whether the loss leaves padding walkers out of its value and
+            gradient (it reduces with ``sv.all_walkers``), so that any walker count is
+            taken; default: the loss's own ``masks_padding`` attribute (``True`` for
+            :func:`energy_loss`), else ``False`` (a count the devices do not divide is refused).
         **kwargs: the other arguments of ``kfac_jax.Optimizer``.
 
     Raises:
