@@ -194,7 +194,11 @@ class VMC:
         assert self.sampler is not None
         sampler = self.sampler.init(params, walkers, width)
         if self._walker_optimiser is not None:
-            opt = self._walker_optimiser.init(params, jax.random.key(0), sampler.positions)
+            optimiser = self._walker_optimiser
+            opt = optimiser.init(params, jax.random.key(0), sampler.positions)
+            sharding = getattr(optimiser, "replicated_sharding", None)
+            if sharding is not None and not tracing():  # where the step returns them: one compilation of it
+                params = jax.device_put(params, sharding)
             return VMCState(params, opt, sampler)
         with entered_mesh(None if tracing() or mesh is None else mesh):
             opt = replicate(self.optimiser.init(params), mesh)

@@ -332,6 +332,15 @@ class Optimizer:
         return self._kfac
 
     @property
+    def replicated_sharding(self) -> NamedSharding | None:
+        """Where ``step`` returns the parameters and the state (``None`` until the first ``init``).
+
+        Parameters given in this sharding come back in it, so a jitted step that feeds its
+        results back compiles once.
+        """
+        return None if self._kmesh is None else NamedSharding(self._kmesh, PartitionSpec())
+
+    @property
     def mesh(self) -> Mesh | None:
         """The mesh the walkers are split over (``None`` until the first ``init`` when not given)."""
         return self._mesh
@@ -766,8 +775,12 @@ class KFAC:
         self, log_psi: Callable[..., Any], local_energy: Callable[..., Any], clipping: Any, mesh: Mesh | None
     ) -> Optimizer:
         schedule = self.learning_rate if callable(self.learning_rate) else _constant(self.learning_rate)
+        # The loss reduces with sv.all_walkers; kfac-jax's own collectives name the mesh's axis, so that on a
+        # one-axis mesh (sv.create_mesh's "walkers") its kernels run on the walkers' own mesh.
+        axis = mesh.axis_names[0] if mesh is not None and len(mesh.axis_names) == 1 else "walkers"
         optimizer = Optimizer(
-            energy_loss(log_psi, local_energy, clipping), self.l2_reg, mesh=mesh, value_func_has_aux=True,
+            energy_loss(log_psi, local_energy, clipping), self.l2_reg, mesh=mesh, pmap_axis_name=axis,
+            value_func_has_aux=True,
             value_func_has_rng=True, learning_rate_schedule=schedule, damping_schedule=_constant(self.damping),
             momentum_schedule=_constant(self.momentum), norm_constraint=self.norm_constraint,
             curvature_ema=self.curvature_ema, inverse_update_period=self.inverse_update_period,

@@ -518,7 +518,9 @@ def _kfac_job(n_devices):
 def test_a_kfac_run_resumed_on_another_device_count_continues_its_trajectory(tmp_path):
     steps, key = 6, jax.random.key(2)
     with jax.enable_x64(True):
-        reference = sv.driver.run(*_kfac_job(8), steps, key=key, progress=False)
+        step, state = _kfac_job(8)
+        reference = sv.driver.run(step, state, steps, key=key, progress=False)
+        assert step._cache_size() == 1  # the step returns the state as init made it: one compilation
         first = sv.driver.run(*_kfac_job(8), steps // 2, key=key, checkpoint=tmp_path, progress=False)
         resumed = sv.driver.run(*_kfac_job(3), steps, key=key, checkpoint=tmp_path, progress=False)
     assert first.step == steps // 2 and resumed.resumed_from == steps // 2 and resumed.step == steps
