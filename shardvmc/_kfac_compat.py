@@ -227,9 +227,10 @@ def runs_shard_map(optimizer: kfac_jax.Optimizer) -> bool:
 # - a generic block gets the sum of the tangents over every device (one all-reduce of a parameter-sized
 #   vector) scaled by ``sqrt(rows / valid count)``: the one-device estimate ``(sum_i J_i)^2 / n``.
 #
-# Each statistic reaches the block's moving averages through the block's own update (``ema_old``,
-# ``ema_new``), corrected afterwards with kfac-jax's additive form of ``WeightedMovingAverage.update`` (a
-# negative weight adds without changing the running weight), so no block's internals are rewritten.
+# Each statistic reaches the block's moving averages through ``WeightedMovingAverage.update`` (``ema_old``,
+# ``ema_new``) of the old, replicated value with the replicated target, so the new state is the same on every
+# device bit for bit; the block's own update (on this device's rows) gives the state's structure, and its
+# statistics are read from it with ``ema_old=0``, so no block's internals are rewritten.
 # Tested by tests/test_kfac.py (1,001 and 13 walkers on 1, 3 and 8 devices against the valid walkers on one
 # device: the curvature factors and the update), which fails when kfac-jax moves these.
 # When it can go: when kfac-jax takes per-example weights in its curvature estimation.
@@ -326,8 +327,12 @@ def _update_block(block: Any, state: Any, info: Any, ema_old: Any, ema_new: Any,
     # The sums over every valid walker divided by their count, the same on every device: the statistics of the
     # valid walkers on one device (kfac-jax's sync, which some statistics skip, then has nothing to average).
     target = [t / count.astype(t.dtype) for t in jax.lax.psum(sums, rows.axes)]
-    for average, t, o in zip(_averages(new), target, own):
-        average.update(t - o, 1.0, -ema_new)  # a negative weight: value += ema_new / weight * (t - o)
+    for average, before, t in zip(_averages(new), _averages(state), target):
+        # the moving average's own update of the old value with the target, from values that are the same on
+        # every device: the result is too, bit for bit (a replicated state; its checkpoint checksums agree)
+        updated = jax.tree_util.tree_map(lambda x: x, before)
+        updated.update(t, ema_old, ema_new)
+        average.value, average.weight = updated.value, updated.weight
     return new
 
 

@@ -181,8 +181,8 @@ def test_checkpoint_history_reports_saves_at_two_run_lengths(tmp_path):
 def test_deepqmc_comparison_runs_its_shardvmc_side_without_deepqmc(tmp_path):
     # DeepQMC is an optional benchmark dependency (pip install -e ".[bench]"), not in the test environment:
     # --smoke runs shardvmc's side of benchmarks/deepqmc.py alone (the examples' network of LiH standing in for
-    # DeepQMC's ansatz), KFAC on 16 walkers over the 8 fake devices, then its trajectory with natural gradient on
-    # 1 and 3 devices for 13 walkers (padded on 3 devices and, in a real run, on 8).
+    # DeepQMC's ansatz), KFAC on 16 walkers over the 8 fake devices, then its trajectory with KFAC and DeepQMC's
+    # clipping on 1 and 3 devices for 13 walkers (padded on 3 devices and, in a real run, on 8).
     if (reason := unusable("kfac_jax")) is not None:  # its shardvmc side trains with shardvmc.kfac
         pytest.skip(f"benchmarks/deepqmc.py --smoke: {reason}")
     stdout, data = _run("deepqmc.py", "--smoke", tmp_path=tmp_path, timeout=1200)
@@ -193,7 +193,7 @@ def test_deepqmc_comparison_runs_its_shardvmc_side_without_deepqmc(tmp_path):
     assert -12.0 < side["energy"]["mean"] < -2.0  # LiH (-8.07 Ha) from an untrained network: loosely
     assert set(row["pieces"]) >= {"sampler step", "local energy", "gradient of log|psi|", "optimiser step (KFAC)"}
     assert all(piece["shardvmc_ms"] > 0 for piece in row["pieces"].values())
-    runs = data["trajectory"]["runs"]["sr"]
+    runs = data["trajectory"]["runs"]["kfac"]
     assert set(runs) == {"1", "3"} and data["trajectory"]["walkers"] == 13
     assert runs["3"]["energy_max_diff"] < 1e-3 and runs["3"]["params_max_diff"] < 1e-3  # float32 round-off
     assert data["lines"]["deepqmc"] > 0 and data["lines"]["shardvmc"] > 0

@@ -355,12 +355,19 @@ def test_a_directory_without_a_committed_step_is_no_checkpoint(tmp_path: Path) -
 
 def test_a_directory_that_cannot_hold_checkpoints_is_a_call_error_and_leaves_no_thread(tmp_path: Path) -> None:
     (tmp_path / "a-file").write_text("x")
+
+    def refused() -> None:
+        for path, excerpt in [("a-file", "is a file"), ("a-file/sub", "cannot be created")]:
+            with pytest.raises(sv.CallError, match=excerpt):
+                sv.Checkpointer(tmp_path / path)
+            with pytest.raises(sv.CallError, match=excerpt):
+                sv.save_state(tmp_path / path, {"x": np.zeros(2)})
+
+    # Once first: orbax starts one asyncio thread per process on its first use, and keeps it (whichever test of
+    # this worker process comes first); what must not happen is a thread left behind by each refused call.
+    refused()
     before = set(threading.enumerate())
-    for path, excerpt in [("a-file", "is a file"), ("a-file/sub", "cannot be created")]:
-        with pytest.raises(sv.CallError, match=excerpt):
-            sv.Checkpointer(tmp_path / path)
-        with pytest.raises(sv.CallError, match=excerpt):
-            sv.save_state(tmp_path / path, {"x": np.zeros(2)})
+    refused()
     assert set(threading.enumerate()) <= before
 
 

@@ -136,6 +136,15 @@ def _assert_same_estimates(ours, reference, rtol=1e-9):
                                        err_msg=jax.tree_util.keystr(path))  # fmt: skip
 
 
+def _assert_the_same_on_every_device(tree):
+    """Every leaf holds the same bits on every device (a checkpoint checksums one copy and writes another)."""
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        if isinstance(leaf, jax.Array) and not jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+            copies = [np.asarray(shard.data) for shard in leaf.addressable_shards]
+            for copy in copies[1:]:
+                assert copy.tobytes() == copies[0].tobytes(), jax.tree_util.keystr(path)
+
+
 def test_step_equals_kfac_jax_on_one_device(runs):
     params = runs["params"]
     for t, (ref, ours) in enumerate(zip(runs["reference"], runs["ours"])):
@@ -188,6 +197,7 @@ def test_the_loss_key_reaches_device_i_as_fold_in_of_the_key_as_under_ferminets_
 def test_results_are_replicated_on_the_mesh_and_count_its_walkers(runs):
     params, state, stats = runs["last"]
     sv.testing.assert_replicated((params, state, stats))
+    _assert_the_same_on_every_device((params, state, stats))
     assert params["layers"][0]["one"]["w"].sharding.mesh.devices.size == runs["n"]
     assert int(stats["step"]) == STEPS and int(state.step_counter) == STEPS
     assert int(stats["batch_size"]) == N and int(state.data_seen) == STEPS * N  # not N * jax.device_count()
@@ -315,6 +325,7 @@ def test_any_walker_count_takes_the_valid_walkers_step_on_one_device(n_walkers, 
             p, state, stats = opt.step(p, state, _keys(t), batch=walkers, momentum=0.0, damping=DAMPING)
     update = _max_diff(p_ref, params)
     assert update > 1e-3 and _max_diff(p, p_ref) <= 1e-9 * update
+    _assert_the_same_on_every_device((p, state))
     _assert_same_estimates(state.estimator_state, estimator_ref)
     assert abs(float(stats["loss"]) - float(loss_ref)) <= 1e-12 * abs(float(loss_ref))
     assert abs(float(stats["aux"]["variance"]) - float(aux_ref["variance"])) <= 1e-9 * float(aux_ref["variance"])
