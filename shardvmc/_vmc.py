@@ -129,6 +129,7 @@ class VMC:
     measure: WalkerParallel = dataclasses.field(init=False, repr=False)
     _update: Callable[..., Any] = dataclasses.field(init=False, repr=False)
     _walker_optimiser: Any = dataclasses.field(init=False, repr=False, default=None)
+    _clip: WalkerParallel | None = dataclasses.field(init=False, repr=False, default=None)
 
     def __post_init__(self) -> None:
         where = "shardvmc.driver.VMC"
@@ -164,16 +165,23 @@ class VMC:
 
         def measure(
             params: Replicated[Any], w: PerWalker[Walker]
-        ) -> tuple[PerWalker[jax.Array], PerWalker[Any], Mean[jax.Array], Mean[jax.Array], Mean[jax.Array]]:
+        ) -> tuple[PerWalker[jax.Array], PerWalker[Any], Mean[jax.Array], Mean[jax.Array]]:
             e = energy(params, w.r)
-            seen = e  # what the optimiser sees: the clipped energies
-            if clipping is not None:
-                clipped, keep = clipping(e)
-                seen = jax.lax.stop_gradient(jnp.where(keep, clipped, all_walkers.mean(clipped)))
-            return seen, jax.grad(log_psi)(params, w.r), e, e * e, seen
+            return e, jax.grad(log_psi)(params, w.r), e, e * e
 
         measure.__qualname__ = "VMC.measure"
         object.__setattr__(self, "measure", walker_parallel(**options)(measure))
+        if clipping is not None:
+            # A kernel of its own, without batch_size: the clipping's statistics see every walker, which the
+            # measurement's chunks cannot.
+
+            def clip(e: PerWalker[jax.Array]) -> tuple[PerWalker[jax.Array], Mean[jax.Array]]:
+                clipped, keep = clipping(e)
+                seen = jnp.where(keep, clipped, all_walkers.mean(clipped))  # what the optimiser sees
+                return seen, seen
+
+            clip.__qualname__ = "VMC.clip"
+            object.__setattr__(self, "_clip", walker_parallel(mesh=self.mesh)(clip))
         # any optax transformation takes the extra arguments (jacobian=, local_energies=): unused ones are ignored
         object.__setattr__(self, "_update", _optax().with_extra_args_support(self.optimiser).update)
 
@@ -219,7 +227,8 @@ class VMC:
                 params, state.opt, jax.random.fold_in(key, 1), batch=sampler.positions
             )
             return VMCState(params, opt, sampler), _stats(out["aux"]["energy"], out["aux"]["variance"], sampler)
-        e, j, e_mean, e2_mean, seen_mean = self.measure(params, sampler.walkers)
+        e, j, e_mean, e2_mean = self.measure(params, sampler.walkers)
+        e, seen_mean = (e, e_mean) if self._clip is None else self._clip(e)
         # The energy gradient as the updates: unused (and so not computed) by the natural gradient.
         centred = WalkerSet(e.data - seen_mean, e.n_valid)
         gradient = jax.tree_util.tree_map(lambda g: 2 * g, _weighted_mean(j, centred, self.mesh))

@@ -74,3 +74,23 @@ def test_bad_settings_are_refused():
                 lambda: sv.loss.ClipLogSqueeze(quantile=1.5), lambda: sv.loss.ClipLogSqueeze(width=-1)):  # fmt: skip
         with pytest.raises(sv.CallError):
             bad()
+
+
+def test_vmc_clips_the_same_with_and_without_batch_size():
+    """The clipping's statistics see every walker also when the measurement runs in chunks (batch_size=)."""
+    import optax
+
+    import shardvmc.optax as svx
+
+    log_psi = lambda a, r: -a * jnp.sum(r**2)  # noqa: E731
+    opt = optax.chain(svx.natural_gradient(damping=1e-3), optax.scale_by_learning_rate(0.1))
+    walkers = sv.initialize_walkers_sharded(lambda k: jax.random.normal(k, (1, 3)), 13, key=jax.random.key(0))
+    moved = []
+    for batch_size in (None, 1):
+        vmc = sv.driver.VMC(log_psi, opt, lambda r: 0.5 * jnp.sum(r**2), batch_size=batch_size,
+                            clipping=sv.loss.ClipMAD(1.0))  # fmt: skip
+        state, stats = vmc.step(vmc.init(jnp.float32(0.4), walkers), jax.random.key(1))
+        moved.append(float(state.params))
+    unclipped = sv.driver.VMC(log_psi, opt, lambda r: 0.5 * jnp.sum(r**2))
+    plain, _ = unclipped.step(unclipped.init(jnp.float32(0.4), walkers), jax.random.key(1))
+    assert abs(moved[0] - moved[1]) <= 1e-6 and abs(moved[0] - float(plain.params)) > 1e-6  # a width of 1 MAD bites
