@@ -1,8 +1,10 @@
-"""The chaos test: a training run interrupted at random points, restarted on random layouts, ends as if never stopped.
+"""The chaos test: a run interrupted at random points, restarted on random layouts, ends as if never stopped.
 
-A VMC training run (``tests/chaos_worker.py``: minSR, an asynchronous checkpoint every ``EVERY`` steps, walkers as a
-``sv.WalkerSet``) starts on 2 processes x 2 fake CPU devices through ``python -m shardvmc.launch`` and is
-interrupted once in each of three ways, in an order and at steps drawn from a seed:
+The run (``tests/chaos_worker.py``: walkers as a ``sv.WalkerSet``, an asynchronous checkpoint every ``EVERY`` steps)
+is of each method in turn (``METHODS``, the fixture's parameter): a VMC training run (minSR in a loop of its own) and
+a fixed-node DMC run (``sv.dmc.DMC`` through ``sv.driver.run``). It starts on 2 processes x 2 fake CPU devices
+through ``python -m shardvmc.launch`` and is interrupted once in each of three ways, in an order and at steps drawn
+from a seed (the same plan for both methods):
 
 - ``kill``: one process (drawn) sends itself SIGKILL, right after the step's save (if any) has started;
 - ``term``: every process sends itself SIGTERM once its last save is committed, a preemption notice
@@ -13,17 +15,19 @@ interrupted once in each of three ways, in an order and at steps drawn from a se
 After the second interruption the test flips a byte in each array data file of the newest committed step. Every
 restart resumes from the newest intact step (the damaged one skipped with a ``DamagedCheckpointWarning`` naming it).
 Two sequences share the first run and the faults: one restarts on 2 x 2 after the first and the second interruption
-and ends bit for bit as an uninterrupted 2 x 2 run (parameters, optimiser state, walkers, every step's energy); the
+and ends bit for bit as an uninterrupted 2 x 2 run (VMC: parameters, optimiser state, walkers, every step's energy;
+DMC: the whole ``DMCState``, walkers and weights among it, and every step's statistics in the driver's history); the
 other restarts after each of the three on a layout drawn among 1 x 1, 1 x 3, 2 x 2 and 1 x 8 (processes x devices)
 and ends within the float64 round-off of a change of device count that ``docs/concepts.md`` states (``ROUND_OFF``),
 and bit for bit up to the first step computed on another layout. The walker count, 13, is one that 3, 4 and 8
 devices do not divide.
 
-The faults happen at chosen steps (the worker is told where), never after a delay. The launches share one XLA
-compilation cache, for single-process launches only (see ``_cached``). The seed is
-``SHARDVMC_CHAOS_SEED`` (default 4) and the plan is printed, so a failing plan can be run again
-(``SHARDVMC_CHAOS_SEED=5 python -m pytest tests/test_chaos.py -n 0 -s``) and soak runs can draw others. Every
-process a launch started is found by a marker in its environment and killed at the end, whatever happened.
+The faults happen at chosen steps (the worker is told where), never after a delay. A method's launches share one
+XLA compilation cache, for single-process launches only (see ``_cached``). The seed is ``SHARDVMC_CHAOS_SEED``
+(default 4) and the plan is printed, so a failing plan can be run again
+(``SHARDVMC_CHAOS_SEED=5 python -m pytest tests/test_chaos.py -n 0 -s``, ``-k dmc`` for one method) and soak runs
+can draw others. Every process a launch started is found by a marker in its environment and killed at the end,
+whatever happened.
 """
 
 from __future__ import annotations
@@ -55,6 +59,7 @@ WORKER = ROOT / "tests" / "chaos_worker.py"
 # in process 0, the coordinator) and the restarts of the elastic sequence on 1 x 8, 2 x 2 and 1 x 1.
 SEED = int(os.environ.get("SHARDVMC_CHAOS_SEED", "4"))
 STEPS, EVERY = 18, 3
+METHODS = ("vmc", "dmc")  # the worker's --method: each gets the whole test
 ORIGINAL = (2, 2)  # processes x devices per process
 LAYOUTS = ((1, 1), (1, 3), (2, 2), (1, 8))
 # The steps the first, second and third interruption are drawn from. The second comes at step 9 or later, so the
@@ -91,8 +96,8 @@ class Plan:
     def draw(seed: int) -> Plan:
         rng = random.Random(seed)
         kinds = rng.sample(["kill", "term", "raise"], 3)
-        faults = tuple(Fault(kind, rng.randint(*window), rng.randrange(2)) for kind, window in zip(kinds, WINDOWS))
-        return Plan(seed, faults, tuple(rng.choice(LAYOUTS) for _ in faults))  # type: ignore[arg-type]
+        a, b, c = (Fault(kind, rng.randint(*window), rng.randrange(2)) for kind, window in zip(kinds, WINDOWS))
+        return Plan(seed, (a, b, c), tuple(rng.choice(LAYOUTS) for _ in range(3)))
 
     def sequences(self) -> dict[str, list[tuple[tuple[int, int], Fault | None]]]:
         """Each sequence's launches after the shared first one: layout and fault (``None``: to the end)."""
@@ -164,8 +169,9 @@ def _marked(marker: str) -> list[int]:
 
 @dataclasses.dataclass
 class Launch:
-    """One launch of the worker: its layout, what it was told, and how it ended."""
+    """One launch of the worker: its method, layout, what it was told, and how it ended."""
 
+    method: str  # "vmc" or "dmc"
     name: str
     layout: tuple[int, int]
     fault: Fault | None
@@ -181,8 +187,9 @@ class Launch:
     def describe(self) -> str:
         what = str(self.fault) if self.fault else "runs to the end"
         return (
-            f"{self.name} on {_name(self.layout)} ({what}): exit {self.code}, resumed from {self.expected_restore} "
-            f"(damaged: {self.damaged}), committed then {self.committed}, records {self.records}"
+            f"{self.method} {self.name} on {_name(self.layout)} ({what}): exit {self.code}, resumed from "
+            f"{self.expected_restore} (damaged: {self.damaged}), committed then {self.committed}, "
+            f"records {self.records}"
         )
 
 
@@ -195,7 +202,8 @@ def _launch(directory: Path, launch: Launch, env: dict[str, str]) -> None:
     processes, devices = launch.layout
     command = [*ON_PARENT_DEATH, sys.executable, "-m", "shardvmc.launch", "--processes", str(processes)]
     command += ["--devices-per-process", str(devices), "--timeout", str(LAUNCH_TIMEOUT_S), "--"]
-    command += [sys.executable, str(WORKER), str(directory), "--steps", str(STEPS), "--every", str(EVERY)]
+    command += [sys.executable, str(WORKER), str(directory), "--method", launch.method]
+    command += ["--steps", str(STEPS), "--every", str(EVERY)]
     command += ["--name", launch.name, *(launch.fault.args(processes) if launch.fault else [])]
     started = time.monotonic()
     proc = subprocess.Popen(
@@ -291,27 +299,28 @@ def _result(directory: Path) -> dict[str, np.ndarray] | None:
         return {k: data[k] for k in data.files}
 
 
-@pytest.fixture(scope="module")
-def chaos(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """The uninterrupted run and both interrupted sequences (which share their first run)."""
+@pytest.fixture(scope="module", params=METHODS)
+def chaos(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Of one method: the uninterrupted run and both interrupted sequences (which share their first run)."""
+    method: str = request.param
     plan = Plan.draw(SEED)
-    print(plan, flush=True)
-    tmp = tmp_path_factory.mktemp("chaos")
+    print(f"{method}: {plan}", flush=True)
+    tmp = tmp_path_factory.mktemp(f"chaos_{method}")
     marker = uuid.uuid4().hex
     env = _env(marker, tmp / "xla_cache")
-    first = Launch("run0", ORIGINAL, plan.faults[0])
+    first = Launch(method, "run0", ORIGINAL, plan.faults[0])
     sequences = {
-        name: [Launch(f"{name}{i + 1}", layout, fault) for i, (layout, fault) in enumerate(items)]
+        name: [Launch(method, f"{name}{i + 1}", layout, fault) for i, (layout, fault) in enumerate(items)]
         for name, items in plan.sequences().items()
     }
-    reference = Launch("reference", ORIGINAL, None)
+    reference = Launch(method, "reference", ORIGINAL, None)
     started = time.monotonic()
     try:
         # The uninterrupted run goes alongside; the sequences go on from a copy of their shared first run.
         threads = [threading.Thread(target=_launch, args=(tmp / "reference", reference, env))]
         threads[0].start()
         _run_sequence(tmp / "first", [first], env, SEED)
-        if first.code == EXIT[first.fault.kind]:
+        if first.code == EXIT[plan.faults[0].kind]:
             for name, launches in sequences.items():
                 shutil.copytree(tmp / "first", tmp / name)
                 threads.append(threading.Thread(target=_run_sequence, args=(tmp / name, launches, env, SEED)))
@@ -324,13 +333,15 @@ def chaos(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-    print(f"chaos: every launch done in {time.monotonic() - started:.0f} s; per launch (wall, CPU):", flush=True)
+    took = time.monotonic() - started
+    print(f"chaos {method}: every launch done in {took:.0f} s; per launch (wall, CPU):", flush=True)
     for launch in [reference, first, *sequences["same"], *sequences["elastic"]]:
         if launch.code is not None:
             what = str(launch.fault) if launch.fault else "to the end"
             print(f"  {launch.name:9} {_name(launch.layout)} {what:50} exit {launch.code:3} "
                   f"{launch.seconds:5.1f} s {launch.cpu_seconds:5.1f} s")  # fmt: skip
     return {
+        "method": method,
         "plan": plan,
         "first": first,
         "reference": reference,
@@ -348,7 +359,7 @@ def _sequence(chaos: dict[str, Any], name: str) -> list[Launch]:
 
 def _context(chaos: dict[str, Any], name: str) -> str:
     launches = "\n".join(launch.describe() for launch in _sequence(chaos, name) if launch.code is not None)
-    return f"{chaos['plan']}\n{launches}"
+    return f"{chaos['method']}: {chaos['plan']}\n{launches}"
 
 
 @pytest.mark.parametrize("name", ["same", "elastic"])
@@ -367,7 +378,7 @@ def test_every_interruption_ends_the_run_as_planned(chaos: dict[str, Any], name:
             left = {(r.get("left"), r.get("step")) for r in launch.records} - {(None, None)}
             assert len(left) == 1 and next(iter(left))[0] == "preempted", launch.describe()
             step = next(iter(left))[1]
-            assert step >= fault.at and step in launch.committed, launch.describe()
+            assert isinstance(step, int) and step >= fault.at and step in launch.committed, launch.describe()
         if fault is None:
             assert [r["left"] for r in launch.records] == ["finished"] * launch.layout[0], launch.describe()
 
@@ -409,7 +420,7 @@ def test_restarts_on_other_layouts_end_as_the_uninterrupted_run_to_round_off(cha
     assert reference is not None, f"{chaos['reference'].describe()}\n{chaos['reference'].output}"
     assert got is not None, _context(chaos, "elastic")
     differences = _differences(got, reference)
-    print(f"elastic sequence vs the uninterrupted run, largest relative differences: {differences}")
+    print(f"{chaos['method']}: elastic sequence vs the uninterrupted run, largest relative differences: {differences}")
     assert max(differences.values()) <= ROUND_OFF, f"{differences}\n{_context(chaos, 'elastic')}"
     # Up to the first step computed on another layout, the energies are the uninterrupted run's exactly.
     other = [launch.expected_restore or 0 for launch in chaos["elastic"] if launch.layout != ORIGINAL]
