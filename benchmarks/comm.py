@@ -77,14 +77,16 @@ def allgather_s(bytes_per_device: float, p: int, bandwidth: float, latency: floa
     return (p - 1) * bytes_per_device / bandwidth + (p - 1) * latency
 
 
-# One DMC step (float64), as compiled: its statistics (10 sums) in one all-reduce, and one all-reduce each of two
-# flags (whether every copy is within the halos; the fallback statistic); each device's weight total in one
-# all-gather; to each neighbour, the halo's walkers field by field and their shares' two ends (int32) by a ppermute
-# each (the weights are not sent: a copy's weight is 1); in the fallback, every walker and every share's end.
+# One DMC step (float64), as compiled: ONE all-gather carrying, per device, 13 numbers (its sums of the step's 10
+# statistics, its weight total and the two prefix sums that tell every device how far its neighbours' halos reach)
+# and its two halos (its first and last h walkers: every field but the weight, and their prefix sums); no
+# all-reduce. When every device's halos together exceed DMC_HALOS_IN_GATHER_BYTES (as sv.dmc's
+# _HALOS_IN_GATHER_BYTES) the halos go by one ppermute each way instead, and the all-gather carries the 13 numbers.
+# In the fallback: one all-gather of every walker (its fields and prefix sum).
 DMC_STATISTICS = 10
-DMC_FLAGS = 2
+DMC_GATHERED = 3 + DMC_STATISTICS  # numbers per device in the all-gather
 DMC_HALO = 32  # sv.dmc.DMC's default halo
-DMC_FIELDS_SENT = 5  # positions, drift, log|psi|, sign, local energy
+DMC_HALOS_IN_GATHER_BYTES = 2**18
 
 
 def dmc_walker_numbers(n_electrons: int, ndim: int = 3) -> int:
@@ -92,7 +94,9 @@ def dmc_walker_numbers(n_electrons: int, ndim: int = 3) -> int:
     return 2 * n_electrons * ndim + 4
 
 
-def dmc_step_collectives(n: int, p: int, n_w: int, halo: int = DMC_HALO) -> dict[str, dict[str, tuple[int, int]]]:
+def dmc_step_collectives(
+    n: int, p: int, n_w: int, halo: int = DMC_HALO, halos_in_gather_bytes: int = DMC_HALOS_IN_GATHER_BYTES
+) -> dict[str, dict[str, tuple[int, int]]]:
     """The collectives of one DMC step on p devices, N = ``n`` walkers of ``n_w`` float64 numbers each.
 
     Returns:
@@ -103,15 +107,13 @@ def dmc_step_collectives(n: int, p: int, n_w: int, halo: int = DMC_HALO) -> dict
         return {"every step": {}, "fallback only": {}}
     per_device = -(-n // p)  # the walkers of one device (the last ones padding)
     h = min(halo, per_device)
-    sent = 8 * (n_w - 1)  # a walker's numbers but its weight
-    return {
-        "every step": {
-            "all-reduce": (1 + DMC_FLAGS, 8 * (DMC_STATISTICS + DMC_FLAGS)),
-            "all-gather": (1, 8 * p),
-            "collective-permute": (2 * (DMC_FIELDS_SENT + 2), 2 * h * (sent + 2 * 4)),
-        },
-        "fallback only": {"all-gather": (DMC_FIELDS_SENT + 1, p * per_device * (sent + 4))},
-    }
+    sent = 8 * n_w  # a walker's numbers but its weight, and its prefix sum
+    halos = 2 * h * sent  # the first and the last h walkers of a device
+    if p * halos <= halos_in_gather_bytes:
+        every = {"all-gather": (1, p * (8 * DMC_GATHERED + halos))}
+    else:
+        every = {"all-gather": (1, 8 * DMC_GATHERED * p), "collective-permute": (2, halos)}
+    return {"every step": every, "fallback only": {"all-gather": (1, p * per_device * sent)}}
 
 
 def dmc_step_comm_s(
@@ -122,15 +124,14 @@ def dmc_step_comm_s(
         return 0.0
     parts = dmc_step_collectives(n, p, n_w, halo)
     every = parts["every step"]
-    reduces = ring_allreduce_s(8 * DMC_STATISTICS, p, bandwidth, latency) + DMC_FLAGS * ring_allreduce_s(
-        8, p, bandwidth, latency
-    )
-    offsets = allgather_s(8, p, bandwidth, latency)
-    messages, nbytes = every["collective-permute"]
-    halos = messages * latency + nbytes / bandwidth  # (both directions at once on a full-duplex link: an upper bound)
-    gathers, gathered = parts["fallback only"]["all-gather"]
-    fallback_s = (gathers - 1) * (p - 1) * latency + allgather_s(gathered / p, p, bandwidth, latency)
-    return reduces + offsets + halos + fallback * fallback_s
+    _, gathered = every["all-gather"]
+    seconds = allgather_s(gathered / p, p, bandwidth, latency)  # the statistics, the offsets (and the halos)
+    if "collective-permute" in every:
+        messages, nbytes = every["collective-permute"]
+        seconds += messages * latency + nbytes / bandwidth  # (both ways at once on a full-duplex link: an upper bound)
+    gathers, everyone = parts["fallback only"]["all-gather"]
+    fallback_s = (gathers - 1) * (p - 1) * latency + allgather_s(everyone / p, p, bandwidth, latency)
+    return seconds + fallback * fallback_s
 
 
 _SHAPE = re.compile(r"=\s*\(?((?:[a-z]+\d*\[[\d,]*\](?:\{[^}]*\})?(?:,\s*)?)+)\)?\s+(?:all-gather|all-reduce|"

@@ -18,11 +18,19 @@ Three parts, each printed as a markdown table:
   collectives by kind, their messages and bytes per device, every step and in the all-gather fallback
   only), and how often the fallback ran in ``--traffic-steps`` steps of helium on that mesh (the
   ``fallback`` statistic).
+- **bias** (only with ``--only bias``): the time-step and population biases of helium, drawn. At the
+  time steps ``--bias-time-steps`` with ``--bias-walkers`` walkers, runs of ``--bias-hartree``
+  hartree^-1 of imaginary time (``steps = hartree / tau``): E against tau, with the weighted linear fit
+  of ``sv.dmc.extrapolate`` and its intercept; at ``tau = --bias-population-tau`` with each population
+  of ``--bias-populations``, runs of ``--bias-population-hartree`` hartree^-1: E against 1 / population,
+  with UNR's correction of the population control (``sv.dmc.energy``'s default) and without it
+  (``population_steps=0``). The first 20 % of each run is discarded. ``--plot`` saves the two panels.
 
 Usage (from the repository root)::
 
-    python benchmarks/dmc.py                       # every part (tens of minutes on 2 CPU cores)
+    python benchmarks/dmc.py                       # every part but bias (minutes on 2 CPU cores)
     python benchmarks/dmc.py --only timing --devices 8 --timing-walkers 4096
+    python benchmarks/dmc.py --only bias --plot docs/img/dmc-bias.png   # about 5 minutes on 2 cores
     python benchmarks/dmc.py --quick               # a smoke run of seconds: tiny sizes
 """
 
@@ -45,13 +53,24 @@ COMM_DEVICES = 8  # the mesh the traffic part compiles the step for
 DEFAULTS = {"walkers": 2000, "steps": 3000, "timing_walkers": 4096, "rounds": 15, "block": 5, "traffic_steps": 200}
 QUICK = {"walkers": 16, "steps": 12, "timing_walkers": 16, "rounds": 2, "block": 1, "traffic_steps": 3}
 PARTS = ("energies", "timing", "traffic")
+OPTIONAL_PARTS = ("bias",)  # only when named in --only
+BIAS = {"time_steps": "0.1,0.05,0.02", "walkers": 2000, "hartree": 300.0, "populations": "4,8,16",
+        "population_tau": 0.1, "population_hartree": 3000.0}  # fmt: skip
+BIAS_QUICK = {"time_steps": "0.1,0.05", "walkers": 16, "hartree": 1.0, "populations": "8,16", "population_tau": 0.1,
+              "population_hartree": 1.0}  # fmt: skip
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny sizes and few repetitions (a smoke run)")
     parser.add_argument("--devices", type=int, default=1, help="devices of the energy and timing runs (default 1)")
-    parser.add_argument("--only", default=",".join(PARTS), help=f"comma-separated parts of {PARTS}")
+    parser.add_argument("--only", default=",".join(PARTS), help=f"comma-separated parts of {PARTS + OPTIONAL_PARTS}")
+    types = {"time_steps": str, "walkers": int, "hartree": float, "populations": str, "population_tau": float,
+             "population_hartree": float}  # fmt: skip
+    for name, default in BIAS.items():
+        flag = "--bias-" + name.replace("_", "-")
+        parser.add_argument(flag, type=types[name], help=f"bias part (default {default}; --quick: {BIAS_QUICK[name]})")
+    parser.add_argument("--plot", default="", help="bias part: save the plot to this PNG file")
     parser.add_argument("--time-steps", default="0.1,0.05", help="the time steps of the energy runs")
     parser.add_argument("--systems", default=None, help=f"of {tuple(EXACT)} (default all; --quick: helium)")
     for name, default in DEFAULTS.items():
@@ -65,10 +84,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.systems = (args.systems or ("helium" if args.quick else ",".join(EXACT))).split(",")
     if set(args.systems) - set(EXACT):
         parser.error(f"unknown systems {sorted(set(args.systems) - set(EXACT))}; choose from {tuple(EXACT)}")
+    for name, default in BIAS.items():
+        if getattr(args, "bias_" + name) is None:
+            setattr(args, "bias_" + name, BIAS_QUICK[name] if args.quick else default)
+    args.bias_time_steps = [float(t) for t in str(args.bias_time_steps).split(",")]
+    args.bias_populations = [int(n) for n in str(args.bias_populations).split(",")]
     args.only = [part.strip() for part in args.only.split(",") if part.strip()]
-    unknown = set(args.only) - set(PARTS)
+    unknown = set(args.only) - set(PARTS + OPTIONAL_PARTS)
     if unknown:
-        parser.error(f"unknown parts {sorted(unknown)}; choose from {PARTS}")
+        parser.error(f"unknown parts {sorted(unknown)}; choose from {PARTS + OPTIONAL_PARTS}")
     args.time_steps = [float(t) for t in args.time_steps.split(",")]
     return args
 
@@ -231,7 +255,7 @@ def timing(args: argparse.Namespace, mesh: Any) -> dict[str, Any]:
 
     def thunk(label: str) -> Any:
         def run() -> Any:
-            state = states[label]
+            state, stats = states[label], None
             for _ in range(args.block):
                 state, stats = steps[label](state, key)
             states[label] = state
@@ -334,6 +358,132 @@ def runs_table(data: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _helium_run(tau: float, walkers: int, hartree: float, mesh: Any, seed: int) -> tuple[Any, float]:
+    """One helium run of ``hartree`` hartree^-1 at time step ``tau``: its result and its seconds."""
+    import jax
+    import jax.numpy as jnp
+
+    import shardvmc as sv
+
+    system = systems()["helium"]
+    dmc = sv.dmc.DMC(system["log_psi"], system["potential"], time_step=tau, mesh=mesh)
+    state = dmc.init(jnp.float64(system["b"]), walkers_of(system, walkers, mesh, seed=seed))
+    steps = max(int(round(hartree / tau)), 10)
+    start = time.perf_counter()
+    result = sv.driver.run(dmc.step, state, steps, key=jax.random.key(seed + 1), progress=False)
+    if result.status != "finished":
+        raise RuntimeError(f"helium at tau = {tau}, {walkers} walkers: the run {result.status}: {result.reason}")
+    return result, time.perf_counter() - start
+
+
+def bias(args: argparse.Namespace, mesh: Any) -> dict[str, Any]:
+    """Helium's energy against the time step, and against the population (with and without UNR's correction)."""
+    import shardvmc as sv
+
+    out: dict[str, Any] = {"time_steps": {}, "populations": {}}
+    for i, tau in enumerate(args.bias_time_steps):
+        result, seconds = _helium_run(tau, args.bias_walkers, args.bias_hartree, mesh, seed=10 + i)
+        e = sv.dmc.energy(result, discard=0.2)
+        raw = sv.dmc.energy(result, discard=0.2, population_steps=0)
+        out["time_steps"][str(tau)] = {
+            "energy": float(e.mean),
+            "error": float(e.error_of_mean),
+            "uncorrected": float(raw.mean),
+            "uncorrected_error": float(raw.error_of_mean),
+            "seconds": seconds,
+        }
+        print(f"  helium tau={tau}, {args.bias_walkers} walkers: {e.mean:.5f} +- {e.error_of_mean:.5f} "
+              f"({seconds:.0f} s)", flush=True)  # fmt: skip
+    taus = args.bias_time_steps
+    runs = [out["time_steps"][str(t)] for t in taus]
+    out["extrapolated"] = list(sv.dmc.extrapolate(taus, [(r["energy"], r["error"]) for r in runs]))
+    for i, walkers in enumerate(args.bias_populations):
+        tau = args.bias_population_tau
+        result, seconds = _helium_run(tau, walkers, args.bias_population_hartree, mesh, seed=20 + i)
+        fixed = sv.dmc.energy(result, discard=0.2)
+        raw = sv.dmc.energy(result, discard=0.2, population_steps=0)
+        out["populations"][str(walkers)] = {
+            "energy": float(fixed.mean),
+            "error": float(fixed.error_of_mean),
+            "uncorrected": float(raw.mean),
+            "uncorrected_error": float(raw.error_of_mean),
+            "seconds": seconds,
+        }
+        print(f"  helium tau={tau}, {walkers} walkers: {fixed.mean:.5f} +- "
+              f"{fixed.error_of_mean:.5f} (uncorrected {raw.mean:.5f}; {seconds:.0f} s)", flush=True)  # fmt: skip
+    return out
+
+
+def bias_table(data: dict[str, Any], args: argparse.Namespace) -> str:
+    e0, err0 = data["extrapolated"]
+    lines = [
+        f"Helium's DMC energy (Ha) against the time step ({args.bias_walkers} walkers, {args.bias_hartree:g} "
+        f"hartree^-1 per run) and the population (tau = {args.bias_population_tau}, {args.bias_population_hartree:g} "
+        f"hartree^-1 per run); the first 20 % of each run discarded; exact {EXACT['helium']:.6f}:\n",
+        "| run | E | E - exact |",
+        "|---|---|---|",
+    ]
+    for tau, run in data["time_steps"].items():
+        lines.append(f"| tau = {tau} | {fmt(run['energy'], run['error'])} | {run['energy'] - EXACT['helium']:+.5f} |")
+    lines.append(f"| extrapolated to tau = 0 | {fmt(e0, err0)} | {e0 - EXACT['helium']:+.5f} |")
+    for walkers, run in data["populations"].items():
+        lines.append(
+            f"| {walkers} walkers | {fmt(run['energy'], run['error'])} (uncorrected "
+            f"{fmt(run['uncorrected'], run['uncorrected_error'])}) | {run['energy'] - EXACT['helium']:+.5f} |"
+        )
+    return "\n".join(lines)
+
+
+def bias_plot(data: dict[str, Any], args: argparse.Namespace, path: str) -> None:
+    """Two panels: E against tau (error bars, the weighted fit and its intercept), E against 1 / population."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    exact = EXACT["helium"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4.2))
+    taus = np.array([float(t) for t in data["time_steps"]])
+    e = np.array([r["energy"] for r in data["time_steps"].values()])
+    err = np.array([r["error"] for r in data["time_steps"].values()])
+    e0, err0 = data["extrapolated"]
+    slope = np.polyfit(taus, e, 1, w=1 / err)[0]  # the same weighted fit as sv.dmc.extrapolate
+    line = np.linspace(0.0, taus.max() * 1.05, 50)
+    left.errorbar(taus, e, yerr=err, fmt="o", capsize=3, label=f"DMC, {args.bias_walkers} walkers")
+    left.plot(line, e0 + slope * line, "-", color="C0", lw=1, label="weighted linear fit (sv.dmc.extrapolate)")
+    left.errorbar([0.0], [e0], yerr=[err0], fmt="s", color="C0", mfc="white", capsize=3,
+                  label=f"extrapolated: {fmt(e0, err0)}")  # fmt: skip
+    left.axhline(exact, color="grey", lw=0.8, ls="--", label=f"exact {exact:.5f}")
+    left.set_xlabel("time step tau (1/Ha)")
+    left.set_ylabel("energy (Ha)")
+    left.set_title(f"Time-step bias ({args.bias_walkers} walkers, {args.bias_hartree:g} / Ha per run)")
+    left.legend(fontsize=8)
+    populations = dict(data["populations"])
+    if str(args.bias_population_tau) in data["time_steps"]:  # the time-step series' run at that tau: the largest
+        populations[str(args.bias_walkers)] = data["time_steps"][str(args.bias_population_tau)]
+    pops = np.array([int(n) for n in populations])
+    runs = list(populations.values())
+    for key, error, label, style in (
+        ("uncorrected", "uncorrected_error", "no correction (population_steps=0)", "^"),
+        ("energy", "error", "UNR's correction (the default)", "o"),
+    ):
+        right.errorbar(1.0 / pops, [r[key] for r in runs], yerr=[r[error] for r in runs], fmt=style, capsize=3,
+                       label=label)  # fmt: skip
+    right.axhline(exact, color="grey", lw=0.8, ls="--", label="exact")
+    right.set_xlabel("1 / population")
+    right.set_ylabel("energy (Ha)")
+    right.set_title(
+        f"Population bias (tau = {args.bias_population_tau}, {args.bias_population_hartree:g} / Ha per run)"
+    )
+    right.legend(fontsize=8)
+    fig.suptitle("Helium, fixed-population DMC (sv.dmc), float64; the first 20 % of each run discarded")
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    print(f"plot: {path}")
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     set_cpu_devices(max(args.devices, COMM_DEVICES if "traffic" in args.only else 1))
@@ -356,6 +506,11 @@ def main(argv: list[str] | None = None) -> None:
     if "traffic" in args.only:
         report["traffic"] = traffic(args, jax.devices()[:COMM_DEVICES])
         print(traffic_table(report["traffic"]), flush=True)
+    if "bias" in args.only:
+        report["bias"] = bias(args, mesh)
+        print(bias_table(report["bias"], args), flush=True)
+        if args.plot:
+            bias_plot(report["bias"], args, args.plot)
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))
 

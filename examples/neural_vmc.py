@@ -53,11 +53,11 @@ class Config:
     burn_in: int = 100  # Metropolis moves before the first step
     step_size: float = 0.3
     optimiser: str = "minsr"
-    damping: float = 1e-3
+    damping: float = 1e-2
     momentum: float = 0.9  # SPRING's
-    lr: float = 0.1
+    lr: float = 0.5
     lr_decay: float = 2000.0  # lr / (1 + t / lr_decay)
-    max_norm: float = 0.05  # the largest lr^2 d.S.d of a step
+    max_norm: float = 0.005  # the largest lr^2 d.S.d of a step
     clip: float = 5.0  # local energies clipped to mean +- clip mean absolute deviations
     batch_size: int | None = None
     x64: bool = True

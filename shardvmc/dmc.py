@@ -22,14 +22,17 @@ walker) onto the lowest state of its nodal pocket with the algorithm of Umrigar,
   control undone over the last ``T_p`` steps by ``P_k``, the product of the steps' mean weights at a
   fixed trial energy (UNR), and an error bar from :func:`shardvmc.statistics` (:func:`energy`).
 
-What travels between devices per step (docs/dmc.md): one all-reduce of 10 scalars (the step's
-statistics), one all-gather of one scalar per device (the devices' weight totals: each device's offset in
-the global prefix sum), two all-reduces of one flag each (whether every copy is within reach, and the
-``fallback`` statistic), and, to move the copies to their slots, a halo of
-``halo`` walkers to each neighbouring device (``ppermute``); only when some device's copies reach farther
-than its neighbours' halos (a weight imbalance of more than ``halo`` walkers at a device boundary, counted
-in the statistics as ``fallback``) every walker is all-gathered instead. No position is read on the host;
-the step is one jitted program.
+What travels between devices per step (docs/dmc.md): ONE all-gather, of 13 numbers per device (its sums of
+the step's 10 statistics, its weight total: its offset in the global prefix sum, and two prefix sums that
+tell every device how far its neighbours' halos reach) and of its halos: its first and last ``halo`` walkers
+(every field but the weight, bit for bit, and their prefix sums), packed in one buffer; the copies then
+move to their slots from a device's own walkers and its neighbours' halos. Whether every copy is within
+reach, and the ``fallback`` statistic, every device computes from the all-gather, the same bits
+everywhere: no all-reduce. On many devices, where the halos of all would make the all-gather large, the
+halos go by one ``ppermute`` each way instead. Only when some device's copies reach farther than its
+neighbours' halos (a weight imbalance of more than ``halo`` walkers at a device boundary, counted in the
+statistics as ``fallback``) every walker is all-gathered instead (one buffer). No position is read on the
+host; the step is one jitted program.
 
 With one key the run is the same on any device count: walker ``i`` draws from ``fold_in(key, i)``
 (its global index), and the comb works in global walker order, so every decision is the same up to the
@@ -207,7 +210,9 @@ class DMC:
     move: WalkerParallel = dataclasses.field(init=False, repr=False)
     resample: WalkerParallel = dataclasses.field(init=False, repr=False)
     evaluate: WalkerParallel = dataclasses.field(init=False, repr=False)
-    _step: Callable[..., Any] = dataclasses.field(init=False, repr=False)
+    _move_rows: WalkerParallel = dataclasses.field(init=False, repr=False)
+    _branch: WalkerParallel = dataclasses.field(init=False, repr=False)
+    _step: Any = dataclasses.field(init=False, repr=False)  # a jax.jit (lower, compile)
 
     def __post_init__(self) -> None:
         tau = self.time_step
@@ -258,14 +263,11 @@ class DMC:
             raise CallError(message(_WHERE, "halo must be a positive int or None.", got=repr(self.halo)))
         options = {"mesh": self.mesh, "axis_name": self.axis_name}
         evaluate_one = _make_evaluate(self.log_psi, self.sign, self.potential, self.local_energy, self.laplacian)
-        object.__setattr__(
-            self,
-            "move",
-            walker_parallel(batch_size=self.batch_size, **options)(
-                _make_move(evaluate_one, self.drift_scale, self.limit_energy)
-            ),
-        )
+        move, move_rows = _make_move(evaluate_one, self.drift_scale, self.limit_energy)
+        object.__setattr__(self, "move", walker_parallel(batch_size=self.batch_size, **options)(move))
+        object.__setattr__(self, "_move_rows", walker_parallel(batch_size=self.batch_size, **options)(move_rows))
         object.__setattr__(self, "resample", walker_parallel(batched=True, **options)(_resample))
+        object.__setattr__(self, "_branch", walker_parallel(batched=True, **options)(_branch))
         object.__setattr__(
             self, "evaluate", walker_parallel(batch_size=self.batch_size, **options)(_make_init(evaluate_one))
         )
@@ -384,21 +386,16 @@ class DMC:
             jnp.inf if self.energy_cutoff is None else self.energy_cutoff / math.sqrt(self.time_step), dtype
         )
         constants = {"tau": tau, "tau_eff": tau_eff, "trial_energy": e_t, "cutoff": e_cut}
-        k_move, k_comb = jax.random.fold_in(key, 0), jax.random.fold_in(key, 1)
-        moved, sums = self.move(state.params, walkers, k_move, constants)
-        total = sums["weight"]
-        mean_weight = total / n
-        # No move accepted in the whole run (tau_eff = 0): the population cannot diffuse, nothing is estimated.
-        energy = jnp.where(tau_eff > 0, sums["weighted_energy"] / total, jnp.nan)
-        variance = jnp.maximum(sums["weighted_energy2"] / total - energy**2, 0.0)
-        effective = total**2 / sums["weight2"]
-        # Not finite when every weight is 0 (a collapsed population): the statistics say so (energy nan), and
-        # the walkers are kept as they were, with weight 1.
-        alive = jnp.isfinite(total) & (total > 0) & jnp.isfinite(energy)
-        resample = alive & (True if self.resample_threshold >= 1 else effective < self.resample_threshold * n)
+        k_move, k_comb = jax.vmap(jax.random.fold_in, (None, 0))(key, jnp.arange(2))  # fold_in(key, 0), (key, 1)
+        # the move (no collective), then the statistics and the comb: one all-gather (with the halos in it)
+        moved, rows = self._move_rows(state.params, walkers, k_move, constants)
         u = jax.random.uniform(k_comb, (), dtype)
         halo = self.halo if self.halo is not None else 32
-        resampled, fallback = self.resample(moved, u, resample, alive, n, halo)
+        resampled, summed, flags = self._branch(moved, rows, u, tau_eff, n, halo, self.resample_threshold)
+        sums = dict(zip(_SUMS, summed))
+        energy, variance, effective, _, _ = _estimates(sums, tau_eff, n, self.resample_threshold)
+        alive, resample, fallback = flags
+        mean_weight = sums["weight"] / n
         growth = e_t - jnp.log(mean_weight) / tau_eff
         # E_T: the mean of the mixed estimates over about one hartree^-1 of imaginary time (at least 10 steps,
         # at most 1000): it centres the cutoff; with a fixed population it does not change the walk.
@@ -427,7 +424,7 @@ class DMC:
             "node_crossings": sums["node_crossings"],
             "rejected_nonfinite": sums["rejected_nonfinite"],
             "resampled": resample.astype(dtype),
-            "fallback": fallback,
+            "fallback": fallback.astype(dtype),
         }
         return new, stats
 
@@ -495,10 +492,13 @@ def _make_init(evaluate: Callable[..., Any]) -> Callable[..., Any]:
     return init
 
 
-def _make_move(evaluate: Callable[..., Any], a: float, limit_energy: bool) -> Callable[..., Any]:
-    def move(
-        params: Replicated[Any], w: PerWalker[DMCWalker], key: WalkerKey, c: Replicated[dict]
-    ) -> tuple[PerWalker[DMCWalker], Sum[dict]]:
+def _make_move(evaluate: Callable[..., Any], a: float, limit_energy: bool) -> tuple[Callable[..., Any], ...]:
+    """The move of one walker as two kernels' bodies: ``DMC.move`` (the statistics summed) and the step's (per walker).
+
+    The step sums the statistics itself, in the comb's one all-gather (:func:`_branch`): no all-reduce of its own.
+    """
+
+    def body(params: Any, w: DMCWalker, key: jax.Array, c: dict) -> tuple[DMCWalker, dict]:
         x = w.r
         dtype = x.dtype
         tau, tau_eff = c["tau"].astype(dtype), c["tau_eff"].astype(dtype)
@@ -555,11 +555,266 @@ def _make_move(evaluate: Callable[..., Any], a: float, limit_energy: bool) -> Ca
         }
         return new._replace(weight=weight), sums
 
+    def move(
+        params: Replicated[Any], w: PerWalker[DMCWalker], key: WalkerKey, c: Replicated[dict]
+    ) -> tuple[PerWalker[DMCWalker], Sum[dict]]:
+        return body(params, w, key, c)
+
+    def move_rows(
+        params: Replicated[Any], w: PerWalker[DMCWalker], key: WalkerKey, c: Replicated[dict]
+    ) -> tuple[PerWalker[DMCWalker], PerWalker[jax.Array]]:
+        new, sums = body(params, w, key, c)
+        return new, jnp.stack([sums[k] for k in _SUMS])  # one row of the statistics (in _SUMS' order)
+
     move.__qualname__ = "DMC.move"
-    return move
+    move_rows.__qualname__ = "DMC.step.move"
+    return move, move_rows
 
 
 # ----------------------------------------------------------------------------- the global comb
+
+# The step's statistics: each device's sums over its walkers travel in the comb's all-gather (:func:`_branch`).
+_SUMS: tuple[str, ...] = (
+    "weight",
+    "weight2",
+    "weighted_energy",
+    "weighted_energy2",
+    "accepted",
+    "accepted_r2",
+    "proposed_r2",
+    "nonfinite",
+    "rejected_nonfinite",
+    "node_crossings",
+)
+
+
+def _estimates(
+    sums: Mapping[str, jax.Array], tau_eff: jax.Array, population: int, threshold: float
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
+    """``(energy, variance, effective walkers, alive, resample)`` of a step, from its global sums."""
+    total = sums["weight"]
+    # No move accepted in the whole run (tau_eff = 0): the population cannot diffuse, nothing is estimated.
+    energy = jnp.where(tau_eff > 0, sums["weighted_energy"] / total, jnp.nan)
+    variance = jnp.maximum(sums["weighted_energy2"] / total - energy**2, 0.0)
+    effective = total**2 / sums["weight2"]
+    # Not finite when every weight is 0 (a collapsed population): the statistics say so (energy nan), and
+    # the walkers are kept as they were, with weight 1.
+    alive = jnp.isfinite(total) & (total > 0) & jnp.isfinite(energy)
+    resample = alive & (True if threshold >= 1 else effective < threshold * population)
+    return energy, variance, effective, alive, resample
+
+
+def _words(x: jax.Array) -> jax.Array:
+    """The bits of ``x`` (walker axis first) as uint32 words, ``(walkers, words)``: every dtype travels exactly."""
+    rows = x.shape[0]
+    if x.dtype == jnp.bool_:
+        return x.astype(jnp.uint32).reshape(rows, -1)
+    width = x.dtype.itemsize
+    if width in (4, 8):  # (8: a trailing axis of two words)
+        return jax.lax.bitcast_convert_type(x, jnp.uint32).reshape(rows, -1)
+    narrow = {1: jnp.uint8, 2: jnp.uint16}[width]
+    return jax.lax.bitcast_convert_type(x, narrow).astype(jnp.uint32).reshape(rows, -1)
+
+
+def _from_words(words: jax.Array, like: jax.Array) -> jax.Array:
+    """The inverse of :func:`_words`, for rows shaped and typed as ``like``'s."""
+    shape = (words.shape[0],) + like.shape[1:]
+    if like.dtype == jnp.bool_:
+        return words.reshape(shape) != 0
+    width = like.dtype.itemsize
+    if width == 8:
+        return jax.lax.bitcast_convert_type(words.reshape(shape + (2,)), like.dtype)
+    if width == 4:
+        return jax.lax.bitcast_convert_type(words.reshape(shape), like.dtype)
+    narrow = {1: jnp.uint8, 2: jnp.uint16}[width]
+    return jax.lax.bitcast_convert_type(words.reshape(shape).astype(narrow), like.dtype)
+
+
+def _pack(tree: Any) -> tuple[jax.Array, Callable[[jax.Array], Any]]:
+    """``tree`` (walker axis first) as ONE ``(walkers, k)`` buffer, and its unpacking, bit for bit.
+
+    A collective of the buffer is one message, where JAX would send one per leaf. The buffer has the leaves'
+    dtype when they share one (a DMC walker's fields and prefix sums), else it holds their bits in uint32 words.
+    """
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    same = len({x.dtype for x in leaves}) == 1
+    parts = [x.reshape(x.shape[0], -1) if same else _words(x) for x in leaves]
+    sizes = np.cumsum([p.shape[1] for p in parts])[:-1].tolist()
+
+    def back(values: jax.Array, like: jax.Array) -> jax.Array:
+        return values.reshape((values.shape[0],) + like.shape[1:]) if same else _from_words(values, like)
+
+    def unpack(buffer: jax.Array) -> Any:
+        pieces = jnp.split(buffer, sizes, axis=1)
+        return jax.tree_util.tree_unflatten(treedef, [back(p, x) for p, x in zip(pieces, leaves)])
+
+    return jnp.concatenate(parts, axis=1), unpack
+
+
+# The halos travel inside the all-gather (one collective a step) while what every device then receives, the
+# halos of all, stays below this many bytes; beyond, by one ppermute each way (their bytes do not grow with p).
+_HALOS_IN_GATHER_BYTES = 2**18
+
+
+def _comb(
+    w: DMCWalker,
+    extra: jax.Array,
+    u: jax.Array,
+    population: int,
+    halo: int,
+    decide: Callable[[jax.Array], tuple[jax.Array, jax.Array]],
+) -> tuple[DMCWalker, jax.Array, jax.Array]:
+    """The comb over the global population, in walker-index order, from this device's block of walkers.
+
+    Slot ``m`` (``m < population``) takes a copy of walker ``i`` when the comb's tooth ``(m + u) W / population``
+    falls in walker ``i``'s share ``[C_{i-1}, C_i)`` of the prefix sums ``C`` of the weights (total ``W``).
+
+    What travels: ONE all-gather per step of a few numbers per device (its weight total: its offset in the
+    global prefix sum; the prefix sums at the ends of its halos, from which every device knows every device's
+    reach; and ``extra``, e.g. the step's statistics) and of its halos: its first and last ``halo`` walkers,
+    every field but the weight and their prefix sums packed in one buffer. (When every device's halos together
+    exceed ``_HALOS_IN_GATHER_BYTES``, the halos go by one ``ppermute`` each way to the neighbours instead.)
+    When some device's slots reach past its neighbours' halos (every device knows it from the all-gather, the
+    same bits everywhere), every device all-gathers the whole population instead (``fallback``), one buffer.
+
+    Args:
+        w: this device's block of walkers.
+        extra: numbers to sum over the devices in the same all-gather, ``(k,)``.
+        u: the comb's offset in ``[0, 1)``, replicated.
+        population: the valid walkers in all (the rest is padding: its slots keep their walker).
+        halo: walkers sent to each neighbour.
+        decide: ``decide(extra summed over the devices) -> (resample, alive)``, replicated booleans: whether
+            the comb runs (else the weights are normalised to a mean of 1), and whether any weight is left (else
+            they are set to 1).
+
+    Returns:
+        ``(walkers, fallback, extra summed)``: ``fallback`` (replicated) is true when the comb ran and the
+        copies came by the all-gather of every walker.
+    """
+    body = current_body()
+    assert body is not None
+    axes = body.axes
+    n = w.weight.shape[0]
+    dtype = w.weight.dtype
+    d = jax.lax.axis_index(axes)
+    n_dev = jax.lax.axis_size(axes)
+    h = min(halo, n)
+    slots = d * n + jnp.arange(n)
+    valid = slots < population
+    weight = jnp.where(valid & jnp.isfinite(w.weight), w.weight, 0.0)
+    local = jnp.cumsum(weight)
+    zero = jnp.zeros((1,), dtype)
+    # The block's prefix sums where the halos' shares end: before the last h walkers (the start of the halo
+    # sent forward) and at the first h walkers' last but the block's (the end of the halo sent backward; the
+    # block's own end is its total's).
+    before_tail = jnp.max(jnp.concatenate([zero, local[: n - h]]))
+    head_end = jnp.max(jnp.concatenate([zero, local[: min(h, n - 1)]]))
+    row = jnp.concatenate([local[-1:], before_tail[None], head_end[None], extra.astype(dtype)])
+    fields = w._replace(weight=None)  # every field but the weight (a copy's weight is 1)
+    # A walker travels as its fields and its prefix sum in the block (the receiver makes its share's end), the
+    # halos (the first and the last h walkers) in one buffer each. The all-gather's result is the same bits on
+    # every device ("invarying": JAX proves the step's sums replicated).
+    tail, unpack = _pack(jax.tree_util.tree_map(lambda x: x[n - h :], (fields, local)))
+    head, _ = _pack(jax.tree_util.tree_map(lambda x: x[:h], (fields, local)))
+    if n_dev > 1 and n_dev * (head.size + tail.size) * head.dtype.itemsize <= _HALOS_IN_GATHER_BYTES:
+        message = jnp.concatenate([row, tail.reshape(-1), head.reshape(-1)])
+        gathered = jax.lax.all_gather(message, axes, to="invarying")  # (devices, numbers and halos)
+        table, halos = gathered[:, : row.size], gathered[:, row.size :].reshape(n_dev, 2, h, tail.shape[1])
+        left, right = halos[jnp.maximum(d - 1, 0), 0], halos[jnp.minimum(d + 1, n_dev - 1), 1]
+    else:
+        table = jax.lax.all_gather(row, axes, to="invarying")  # (devices, numbers)
+        left = jax.lax.ppermute(tail, axes, [(i, i + 1) for i in range(n_dev - 1)]) if n_dev > 1 else None
+        right = jax.lax.ppermute(head, axes, [(i + 1, i) for i in range(n_dev - 1)]) if n_dev > 1 else None
+    summed = jnp.sum(table[:, 3:], axis=0)
+    resample, alive = decide(summed)
+    inclusive = jnp.cumsum(table[:, 0])
+    exclusive = jnp.concatenate([zero, inclusive[:-1]])
+    total = inclusive[-1]
+    scale = population / total
+
+    def teeth_below(c: jax.Array) -> jax.Array:
+        """How many teeth ``(m + u) W / population`` lie below ``c``: the first slot after walker ``c``'s share."""
+        count = jnp.ceil(c * scale - u)
+        return jnp.clip(jnp.where(jnp.isfinite(count), count, 0), 0, population).astype(jnp.int32)
+
+    def ends_of(e: jax.Array | int, prefix: jax.Array, last: bool) -> jax.Array:
+        """The ends of the shares of device ``e``'s walkers whose prefix sums in their block are ``prefix``.
+
+        ``last``: the last of them is the block's last walker (its end is the block's total's). Every device
+        computes them from the same gathered totals, so a walker's end is the same bits wherever it is computed;
+        they ascend (teeth_below is monotone, as the prefix sums are but for round-off).
+        """
+        c = exclusive[e] + prefix
+        return teeth_below(c.at[-1].set(inclusive[e]) if last else c)
+
+    def sources(ends: jax.Array) -> jax.Array:
+        """For each slot of this device, the first walker whose share's end (of ``ends``) lies past it.
+
+        ``searchsorted(ends, slots, side="right")`` for ascending ``ends``, as the count of the ends at or below
+        each slot (clipped to the last walker): a histogram of the ends over this device's slots and its prefix
+        sum. (A count is defined whatever the order: where round-off leaves two neighbouring ends one tooth out
+        of order, a slot takes the neighbour.)
+        """
+        bins = jnp.clip(ends - d * n, 0, n)
+        below = jnp.cumsum(jnp.zeros((n + 1,), jnp.int32).at[bins].add(1))[:n]
+        return jnp.minimum(below, ends.shape[0] - 1)
+
+    ends = ends_of(d, local, True)
+    if n_dev > 1:
+        # Every device's reach, the same bits on every device: the first slot of its left halo's first walker's
+        # share (0 for the first device) and the last slot of its right halo's last walker's share (+1; the
+        # population for the last device), of the largest prefix sums before and in them.
+        reach_lo = jnp.concatenate([jnp.zeros((1,), jnp.int32), teeth_below(exclusive[:-1] + table[:-1, 1])])
+        reach_hi = teeth_below(exclusive[1:] + table[1:, 2])
+        if h == n:  # the right halo is the neighbour's whole block: its last end is its total's
+            reach_hi = jnp.maximum(reach_hi, teeth_below(inclusive[1:]))
+        reach_hi = jnp.concatenate([reach_hi, jnp.full((1,), population, jnp.int32)])
+        first = jnp.arange(n_dev) * n
+        last = jnp.minimum(first + n, population)
+        within = jnp.all((first >= population) | ((reach_lo <= first) & (last <= reach_hi)))
+        assert left is not None and right is not None
+        # the halos' ends; beyond the first and the last device: empty shares before every slot, after every one
+        left_ends = jnp.where(d == 0, 0, ends_of(jnp.maximum(d - 1, 0), unpack(left)[1], True))
+        right_ends = ends_of(jnp.minimum(d + 1, n_dev - 1), unpack(right)[1], h == n)
+        right_ends = jnp.where(d == n_dev - 1, population, right_ends)
+        halos = (left, right, jnp.concatenate([left_ends, ends, right_ends]))
+    else:
+        within, halos = jnp.array(True), None
+
+    padded = n * n_dev > population  # (else every slot is valid)
+
+    def combed(operands: Any) -> DMCWalker:
+        """The copies in every valid slot; padding slots keep their walker."""
+        fields, local, halos = operands
+        if halos is None:  # one device: every copy from its own walkers, field by field
+            index = sources(ends)
+
+            def copy(x: jax.Array) -> jax.Array:
+                taken = jnp.take(x, index, axis=0)
+                return jnp.where(valid.reshape((n,) + (1,) * (x.ndim - 1)), taken, x) if padded else taken
+
+            return jax.tree_util.tree_map(copy, fields)
+        buffer, unpack = _pack((fields, local))
+
+        def from_window(_: Any) -> jax.Array:
+            left, right, window_ends = halos
+            return jnp.take(jnp.concatenate([left, buffer, right]), sources(window_ends), axis=0)
+
+        def from_everyone(_: Any) -> jax.Array:
+            everyone = jax.lax.all_gather(buffer, axes, tiled=True)
+            blocks = unpack(everyone)[1].reshape(n_dev, n)
+            all_ends = jax.vmap(lambda e, p: ends_of(e, p, True))(jnp.arange(n_dev), blocks)
+            return jnp.take(everyone, sources(all_ends.reshape(-1)), axis=0)
+
+        copies = jax.lax.cond(within, from_window, from_everyone, None)
+        return unpack(jnp.where(valid[:, None], copies, buffer) if padded else copies)[0]
+
+    # The copies only when the comb runs (a branch: its operands are computed once, not again in every use).
+    out = jax.lax.cond(resample, combed, lambda operands: operands[0], (fields, local, halos))
+    # weights: 1 after a comb; else normalised to a mean of 1; 1 again after a collapse (nothing left to weigh)
+    normalised = jnp.where(alive, weight * (population / total), 1.0)
+    out = out._replace(weight=jnp.where(resample | ~valid, jnp.ones((n,), dtype), normalised))
+    return out, ~within & resample, summed
 
 
 def _resample(
@@ -570,90 +825,50 @@ def _resample(
     population: Static[int],
     halo: Static[int],
 ) -> tuple[PerWalker[DMCWalker], Mean[jax.Array]]:
-    """The comb over the global population, in walker-index order, from this device's block of walkers.
+    """The comb over the global population (:func:`_comb`), resampling when ``resample``: ``(walkers, fallback)``.
 
-    Slot ``m`` (``m < population``) takes a copy of walker ``i`` when the comb's tooth ``(m + u) W / population``
-    falls in walker ``i``'s share ``[C_{i-1}, C_i)`` of the prefix sums ``C`` of the weights (total ``W``).
     Each device needs only the offset of its block in the global prefix sum: an all-gather of one total per
-    device. The slots' sources are then found among this device's walkers and a halo of ``halo`` walkers of
-    each neighbouring device (one ``ppermute`` each way); when some slot's source is farther, every device
-    all-gathers the whole population instead (``fallback``, counted). Padding slots keep their own walker.
+    device (and of the two prefix sums that tell every device's reach). The slots' sources are then found among
+    this device's walkers and a halo of ``halo`` walkers of each neighbouring device (in the same all-gather, or
+    by one ``ppermute`` each way on many devices); when some slot's source is farther, every device all-gathers
+    the whole population instead (``fallback``, counted). Padding slots keep their own walker.
+    """
+    n = w.weight.shape[0]
+    extra = jnp.zeros((0,), w.weight.dtype)
+    out, fallback, _ = _comb(w, extra, u, population, halo, lambda _: (resample, alive))
+    return out, jnp.full((n,), fallback.astype(w.weight.dtype))  # a Mean of a block: the flag
+
+
+def _branch(
+    w: PerWalker[DMCWalker],
+    rows: PerWalker[jax.Array],
+    u: Replicated[jax.Array],
+    tau_eff: Replicated[jax.Array],
+    population: Static[int],
+    halo: Static[int],
+    threshold: Static[float],
+) -> tuple[PerWalker[DMCWalker], Replicated[jax.Array], Replicated[jax.Array]]:
+    """The step's statistics and comb in one: ``(walkers, sums, flags)``, replicated ``sums`` (of :data:`_SUMS`)
+    and ``flags`` (alive, resample, fallback).
+
+    Each device's sums of the move's statistics (``rows``, one row of :data:`_SUMS` per walker) travel in the
+    comb's all-gather (:func:`_comb`), with the halos: the step's one collective (on many devices, where the
+    halos of all would make it large, they go beside it, by one ``ppermute`` each way).
     """
     body = current_body()
     assert body is not None
-    axes = body.axes
     n = w.weight.shape[0]
-    dtype = w.weight.dtype
-    d = jax.lax.axis_index(axes)
-    n_dev = jax.lax.axis_size(axes)
-    slots = d * n + jnp.arange(n)
-    valid = slots < population
-    weight = jnp.where(valid & jnp.isfinite(w.weight), w.weight, 0.0)
-    local = jnp.cumsum(weight)
-    totals = jax.lax.all_gather(local[-1], axes)  # (devices,): this device's offset in the global prefix sum
-    inclusive = jnp.cumsum(totals)
-    exclusive = jnp.concatenate([jnp.zeros((1,), dtype), inclusive[:-1]])
-    total = inclusive[-1]
-    # every device computes its ends from the same gathered totals: the boundary values agree bit for bit
-    prefix = (exclusive[d] + local).at[-1].set(inclusive[d])
-    scale = population / total
+    valid = jax.lax.axis_index(body.axes) * n + jnp.arange(n) < population
+    local = jnp.sum(jnp.where(valid[:, None], rows, 0.0), axis=0)
+    decided = []
 
-    def teeth_below(c: jax.Array) -> jax.Array:
-        """How many teeth ``(m + u) W / population`` lie below ``c``: the first slot after walker ``c``'s share."""
-        count = jnp.ceil(c * scale - u)
-        return jnp.clip(jnp.where(jnp.isfinite(count), count, 0), 0, population).astype(jnp.int32)
+    def decide(summed: jax.Array) -> tuple[jax.Array, jax.Array]:
+        *_, alive, resample = _estimates(dict(zip(_SUMS, summed)), tau_eff, population, threshold)
+        decided.extend([alive, resample])
+        return resample, alive
 
-    ends = jax.lax.cummax(teeth_below(prefix))
-    starts = jnp.concatenate([teeth_below(exclusive[d])[None], ends[:-1]])
-    own = (w, starts, ends)
-    h = min(halo, n)
-
-    def take(tree: Any, index: jax.Array) -> Any:
-        return jax.tree_util.tree_map(lambda x: jnp.take(x, index, axis=0), tree)
-
-    def join(*trees: Any) -> Any:
-        return jax.tree_util.tree_map(lambda *xs: jnp.concatenate(xs, axis=0), *trees)
-
-    if n_dev > 1:
-        forward = [(i, i + 1) for i in range(n_dev - 1)]
-        backward = [(i + 1, i) for i in range(n_dev - 1)]
-        left = jax.lax.ppermute(jax.tree_util.tree_map(lambda x: x[n - h :], own), axes, forward)
-        right = jax.lax.ppermute(jax.tree_util.tree_map(lambda x: x[:h], own), axes, backward)
-        # beyond the first and the last device: empty shares before every slot, and after every valid one
-        left = (left[0], jnp.where(d == 0, 0, left[1]), jnp.where(d == 0, 0, left[2]))
-        last = d == n_dev - 1
-        right = (right[0], jnp.where(last, population, right[1]), jnp.where(last, population, right[2]))
-        window = join(left, own, right)
-    else:
-        window = own
-    source = jnp.searchsorted(window[2], slots, side="right")
-    inside = jnp.minimum(source, window[2].shape[0] - 1)
-    found = (source < window[2].shape[0]) & (window[1][inside] <= slots)
-    missing = jnp.sum(valid & ~found)
-    use_halo = jax.lax.psum(missing, axes) == 0 if n_dev > 1 else jnp.array(True)
-
-    def from_window(_: Any) -> DMCWalker:
-        return take(window[0], inside)
-
-    def from_everyone(_: Any) -> DMCWalker:
-        everyone = jax.tree_util.tree_map(lambda x: jax.lax.all_gather(x, axes, tiled=True), w)
-        all_ends = jax.lax.all_gather(ends, axes, tiled=True)
-        index = jnp.minimum(jnp.searchsorted(all_ends, slots, side="right"), all_ends.shape[0] - 1)
-        return take(everyone, index)
-
-    if n_dev > 1:
-        copies = jax.lax.cond(use_halo | ~resample, from_window, from_everyone, None)
-    else:
-        copies = from_window(None)
-    ones = jnp.ones((n,), dtype)
-    keep_slot = ~valid | ~resample
-    rows = lambda m, a, b: jnp.where(m.reshape(m.shape + (1,) * (a.ndim - 1)), a, b)  # noqa: E731
-    out = jax.tree_util.tree_map(lambda a, b: rows(keep_slot, a, b), w, copies)
-    # weights: 1 after a comb; else normalised to a mean of 1; 1 again after a collapse (nothing left to weigh)
-    normalised = jnp.where(alive, weight * (population / total), 1.0)
-    out = out._replace(weight=jnp.where(resample | ~valid, ones, normalised))
-    fallback = (~use_halo & resample).astype(dtype)
-    return out, jnp.full((n,), fallback)  # a Mean of a block: the flag
+    out, fallback, summed = _comb(w, local, u, population, halo, decide)
+    return out, summed, jnp.stack([*decided, fallback])
 
 
 # ----------------------------------------------------------------------------- the estimator

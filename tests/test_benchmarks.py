@@ -212,8 +212,8 @@ def test_dmc_script_prints_the_energies_the_step_ratios_and_the_traffic(tmp_path
     traffic = data["traffic"]
     assert traffic["devices"] == 8 and traffic["steps"] == 3
     every, fallback = traffic["collectives"]["every step"], traffic["collectives"]["fallback only"]
-    # the step's statistics, the halo flag and the fallback flag; the devices' weight totals; the halos both ways
-    assert every["all-reduce"][0] == 3 and every["all-gather"] == [1, 8 * 8] and every["collective-permute"][0] > 0
+    # one all-gather a step: each device's statistics, weight total, prefix sums and halo walkers
+    assert set(every) == {"all-gather"} and every["all-gather"][0] == 1
     assert set(fallback) == {"all-gather"}  # every walker, only when a copy reaches past the halos
 
 

@@ -66,16 +66,31 @@ def test_the_dmc_step_costs_add_up():
     n, p, n_w = 65536, 64, comm.dmc_walker_numbers(2)
     assert n_w == 16 and comm.dmc_step_comm_s(n, 1, n_w, bandwidth, latency, fallback=1.0) == 0.0
     plain = comm.dmc_step_comm_s(n, p, n_w, bandwidth, latency)
-    reduces = comm.ring_allreduce_s(80, p, bandwidth, latency) + 2 * comm.ring_allreduce_s(8, p, bandwidth, latency)
-    halos = 14 * latency + 2 * 32 * (8 * 15 + 8) / bandwidth
-    assert plain == pytest.approx(reduces + comm.allgather_s(8, p, bandwidth, latency) + halos)
+    # 64 devices' halos (64 x 2 x 32 walkers x 128 bytes) exceed the all-gather's share: one message each way; the
+    # all-gather carries 13 numbers per device (weight total, two halo ends, 10 statistics); no all-reduce
+    halos = 2 * latency + 2 * 32 * (8 * 16) / bandwidth
+    assert plain == pytest.approx(comm.allgather_s(8 * 13, p, bandwidth, latency) + halos)
+    assert set(comm.dmc_step_collectives(n, p, n_w)["every step"]) == {"all-gather", "collective-permute"}
+    # on 8 devices the halos ride in the all-gather: one collective a step
+    eight = comm.dmc_step_comm_s(n, 8, n_w, bandwidth, latency)
+    assert eight == pytest.approx(comm.allgather_s(8 * 13 + 2 * 32 * 8 * 16, 8, bandwidth, latency))
+    assert set(comm.dmc_step_collectives(n, 8, n_w)["every step"]) == {"all-gather"}
     # the fallback gathers every walker: it grows with N, the rest does not
     worst = comm.dmc_step_comm_s(n, p, n_w, bandwidth, latency, fallback=1.0)
     assert worst - plain > 8 * n * 15 / bandwidth
     assert comm.dmc_step_comm_s(4 * n, p, n_w, bandwidth, latency) == pytest.approx(plain)
 
 
-@pytest.mark.parametrize("walkers, devices, halo", [(101, 8, 32), (29, 3, 4)])
+def test_the_dmc_model_knows_where_the_halos_go():
+    import shardvmc as sv
+
+    assert comm.DMC_HALOS_IN_GATHER_BYTES == sv.dmc._HALOS_IN_GATHER_BYTES
+
+
+@pytest.mark.parametrize(
+    "walkers, devices, halo",
+    [(101, 8, 32), (29, 3, 4), (2000, 8, 200)],  # the last: the halos (8 x 2 x 200 x 128 bytes) by ppermute
+)
 def test_the_dmc_model_is_the_compiled_step(walkers, devices, halo):
     """Messages and bytes per device of every collective of the compiled DMC step, as dmc_step_collectives says."""
     import jax

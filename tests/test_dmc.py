@@ -203,6 +203,19 @@ def test_the_comb_copies_as_a_global_systematic_resampling(n_devices, halo):
         assert beyond.any()  # (the case is made for it)
 
 
+def test_the_halos_by_ppermute_give_the_same_run(on_8, monkeypatch):
+    """Where every device's halos together exceed sv.dmc._HALOS_IN_GATHER_BYTES they go by one ppermute each way
+    instead of inside the all-gather: the same run, to round-off, and the same copies where the fallback runs."""
+    monkeypatch.setattr(sv.dmc, "_HALOS_IN_GATHER_BYTES", 0)
+    other = _helium_run(8)
+    for name in ("energy", "variance", "growth_energy", "effective_walkers"):
+        np.testing.assert_allclose(other.history[name], on_8.history[name], rtol=1e-12, atol=1e-12, err_msg=name)
+    for name, value in _final(on_8).items():
+        np.testing.assert_allclose(_final(other)[name], value, rtol=1e-10, atol=1e-10, err_msg=name)
+    for n_devices, halo in [(3, 2), (8, 1), (8, None)]:
+        test_the_comb_copies_as_a_global_systematic_resampling(n_devices, halo)
+
+
 def test_resume_on_another_device_count_continues_the_trajectory(on_8, tmp_path):
     """Checkpointed at step 12 on 8 devices, resumed on 3: the uninterrupted run's trajectory."""
     dmc = sv.dmc.DMC(helium_log_psi, helium_potential, time_step=0.05)
@@ -216,6 +229,25 @@ def test_resume_on_another_device_count_continues_the_trajectory(on_8, tmp_path)
     np.testing.assert_allclose(rest.history["energy"], on_8.history["energy"], rtol=0, atol=1e-12)
     for name, value in _final(on_8).items():
         np.testing.assert_allclose(_final(rest)[name], value, rtol=1e-10, atol=1e-10, err_msg=name)
+
+
+def test_the_halo_buffer_carries_every_field_bit_for_bit():
+    """The comb packs the fields it sends into one buffer per message: of their dtype when they share one, else
+    of their bits (NaN payloads, -0.0, integers and booleans included)."""
+    nan = np.frombuffer(np.uint64(0x7FF8DEADBEEF0001).tobytes(), np.float64)[0]
+    tree = {
+        "r": jnp.asarray([[[-0.0, nan, 1.5]], [[np.inf, 2.0, -3.0]]]),
+        "count": jnp.asarray([7, -(2**31)], jnp.int32),
+        "flag": jnp.asarray([True, False]),
+        "small": jnp.asarray([0.1, -0.2], jnp.float32),
+    }
+    for part in (tree, {"r": tree["r"], "e": tree["r"][:, 0, 0]}):
+        buffer, unpack = sv.dmc._pack(part)
+        assert buffer.shape[0] == 2 and buffer.ndim == 2
+        for name, value in part.items():
+            got = unpack(buffer)[name]
+            assert got.dtype == value.dtype and got.shape == value.shape
+            assert np.asarray(got).tobytes() == np.asarray(value).tobytes(), name
 
 
 def test_resampling_only_below_the_threshold_keeps_the_weights():
