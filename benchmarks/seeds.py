@@ -11,7 +11,7 @@ the target: by default the example's exact energy plus chemical accuracy (1.6 mH
     python benchmarks/seeds.py --seeds 0-9 --require 9 -- examples/neural_vmc.py --system Li
     python benchmarks/seeds.py --seeds 0-4 -- examples/neural_vmc.py --system Li --optimiser spring
     python benchmarks/seeds.py --seeds 0-4 -- examples/kfac_vmc.py --system Li
-    python benchmarks/seeds.py --seeds 0-9 --target -2.8775 -- examples/helium_vmc.py
+    python benchmarks/seeds.py --seeds 0-9 --jobs 2 --target -2.8885 -- examples/helium_vmc.py
     python benchmarks/seeds.py --seeds 0-2 --jobs 2 --require 3 --target 0 -- examples/neural_vmc.py --quick --devices 1
 """
 
