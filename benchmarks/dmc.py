@@ -382,36 +382,30 @@ def bias(args: argparse.Namespace, mesh: Any) -> dict[str, Any]:
 
     out: dict[str, Any] = {"time_steps": {}, "populations": {}}
     for i, tau in enumerate(args.bias_time_steps):
-        result, seconds = _helium_run(tau, args.bias_walkers, args.bias_hartree, mesh, seed=10 + i)
-        e = sv.dmc.energy(result, discard=0.2)
-        raw = sv.dmc.energy(result, discard=0.2, population_steps=0)
-        out["time_steps"][str(tau)] = {
-            "energy": float(e.mean),
-            "error": float(e.error_of_mean),
-            "uncorrected": float(raw.mean),
-            "uncorrected_error": float(raw.error_of_mean),
-            "seconds": seconds,
-        }
-        print(f"  helium tau={tau}, {args.bias_walkers} walkers: {e.mean:.5f} +- {e.error_of_mean:.5f} "
-              f"({seconds:.0f} s)", flush=True)  # fmt: skip
+        row = out["time_steps"][str(tau)] = _bias_row(*_helium_run(tau, args.bias_walkers, args.bias_hartree,
+                                                                   mesh, seed=10 + i))  # fmt: skip
+        print(f"  helium tau={tau}, {args.bias_walkers} walkers: {row['energy']:.5f} +- {row['error']:.5f} "
+              f"({row['seconds']:.0f} s)", flush=True)  # fmt: skip
     taus = args.bias_time_steps
     runs = [out["time_steps"][str(t)] for t in taus]
     out["extrapolated"] = list(sv.dmc.extrapolate(taus, [(r["energy"], r["error"]) for r in runs]))
     for i, walkers in enumerate(args.bias_populations):
         tau = args.bias_population_tau
-        result, seconds = _helium_run(tau, walkers, args.bias_population_hartree, mesh, seed=20 + i)
-        fixed = sv.dmc.energy(result, discard=0.2)
-        raw = sv.dmc.energy(result, discard=0.2, population_steps=0)
-        out["populations"][str(walkers)] = {
-            "energy": float(fixed.mean),
-            "error": float(fixed.error_of_mean),
-            "uncorrected": float(raw.mean),
-            "uncorrected_error": float(raw.error_of_mean),
-            "seconds": seconds,
-        }
-        print(f"  helium tau={tau}, {walkers} walkers: {fixed.mean:.5f} +- "
-              f"{fixed.error_of_mean:.5f} (uncorrected {raw.mean:.5f}; {seconds:.0f} s)", flush=True)  # fmt: skip
+        row = out["populations"][str(walkers)] = _bias_row(*_helium_run(tau, walkers, args.bias_population_hartree,
+                                                                        mesh, seed=20 + i))  # fmt: skip
+        print(f"  helium tau={tau}, {walkers} walkers: {row['energy']:.5f} +- {row['error']:.5f} "
+              f"(uncorrected {row['uncorrected']:.5f}; {row['seconds']:.0f} s)", flush=True)  # fmt: skip
     return out
+
+
+def _bias_row(result: Any, seconds: float) -> dict[str, float]:
+    """A run's mixed estimate with the population control undone (``energy``) and without it (``uncorrected``)."""
+    import shardvmc as sv
+
+    fixed = sv.dmc.energy(result, discard=0.2)
+    raw = sv.dmc.energy(result, discard=0.2, population_steps=0)
+    return {"energy": float(fixed.mean), "error": float(fixed.error_of_mean), "uncorrected": float(raw.mean),
+            "uncorrected_error": float(raw.error_of_mean), "seconds": seconds}  # fmt: skip
 
 
 def bias_table(data: dict[str, Any], args: argparse.Namespace) -> str:
