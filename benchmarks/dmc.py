@@ -11,9 +11,11 @@ Three parts, each printed as a markdown table:
 - **timing**: one DMC step against one ``sv.driver.VMC`` step with the same local energy
   (``sv.hamiltonian.local_energy``, folx) and the same walkers (helium), the VMC step's sampler
   ``sv.mcmc.Metropolis(n_steps=1)`` (one move per step, as DMC's one drift-diffusion move) and the
-  default (10 moves). Interleaved blocks of ``--block`` steps (the variants in turn, the order reversed
-  every other round, after two warm-up blocks each); the figure is the median over ``--rounds`` of the
-  per-round ratio DMC / VMC, with its quartiles.
+  default (10 moves); ``--timing-system li``: the neural template's Li network
+  (``examples/network.py``) with its sign (the nodes) and ``tau = 0.01``. Interleaved blocks of
+  ``--block`` steps (the variants in turn, the order reversed every other round, after two warm-up
+  blocks each); the figure is the median over ``--rounds`` of the per-round ratio DMC / VMC, with its
+  quartiles.
 - **traffic**: what a DMC step communicates, from the compiled step on a mesh of 8 devices (the
   collectives by kind, their messages and bytes per device, every step and in the all-gather fallback
   only), and how often the fallback ran in ``--traffic-steps`` steps of helium on that mesh (the
@@ -30,6 +32,7 @@ Usage (from the repository root)::
 
     python benchmarks/dmc.py                       # every part but bias (minutes on 2 CPU cores)
     python benchmarks/dmc.py --only timing --devices 8 --timing-walkers 4096
+    python benchmarks/dmc.py --only timing --timing-system li --timing-walkers 512   # the neural network's
     python benchmarks/dmc.py --only bias --plot docs/img/dmc-bias.png   # about 5 minutes on 2 cores
     python benchmarks/dmc.py --quick               # a smoke run of seconds: tiny sizes
 """
@@ -37,8 +40,10 @@ Usage (from the repository root)::
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -76,6 +81,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name, default in DEFAULTS.items():
         flag = "--" + name.replace("_", "-")
         parser.add_argument(flag, type=int, help=f"(default {default}; --quick: {QUICK[name]})")
+    parser.add_argument("--timing-system", default="helium", choices=("helium", "li"),
+                        help="timing part: helium's Slater-Jastrow function, or Li's network (examples/)")  # fmt: skip
     parser.add_argument("--json", default="", help="also write the results to this JSON file")
     args = parser.parse_args(argv)
     for name, default in DEFAULTS.items():
@@ -231,16 +238,12 @@ def fmt(mean: float, error: float) -> str:
 def timing(args: argparse.Namespace, mesh: Any) -> dict[str, Any]:
     """Seconds per step of DMC and of VMC (1 and 10 Metropolis moves), interleaved; their ratios."""
     import jax
-    import jax.numpy as jnp
     import optax
 
     import shardvmc as sv
 
-    system = systems()["helium"]
-    log_psi, potential = system["log_psi"], system["potential"]
-    params = jnp.float64(system["b"])
-    walkers = walkers_of(system, args.timing_walkers, mesh)
-    dmc = sv.dmc.DMC(log_psi, potential, time_step=0.05, mesh=mesh)
+    log_psi, potential, sign, params, walkers = timing_workload(args.timing_system, args.timing_walkers, mesh)
+    dmc = sv.dmc.DMC(log_psi, potential, time_step=0.05 if sign is None else 0.01, sign=sign, mesh=mesh)
     energy = sv.hamiltonian.local_energy(log_psi, potential)
     states: dict[str, Any] = {"DMC": dmc.init(params, walkers)}
     steps: dict[str, Any] = {"DMC": dmc.step}
@@ -274,9 +277,34 @@ def timing(args: argparse.Namespace, mesh: Any) -> dict[str, Any]:
     }
 
 
+def timing_workload(name: str, n: int, mesh: Any) -> tuple[Any, ...]:
+    """``(log_psi, potential, sign, params, walkers)`` of the timing part: helium's Slater-Jastrow function, or the
+    neural template's network for Li (``examples/network.py``, its default sizes, initial parameters) with its sign.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    import shardvmc as sv
+
+    if name == "helium":
+        system = systems()["helium"]
+        return system["log_psi"], system["potential"], None, jnp.float64(system["b"]), walkers_of(system, n, mesh)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    import network
+
+    li = network.LI
+    params = sv.replicate(network.init(jax.random.key(0), li, 32, 8, 2, 4, jnp.float64), mesh)
+    walkers = sv.initialize_walkers_sharded(lambda k: network.init_walker(k, li, jnp.float64), n, mesh,
+                                            key=jax.random.key(1))  # fmt: skip
+    potential = functools.partial(sv.hamiltonian.coulomb, charges=li.charges, coords=li.coords)
+    psi, sign = (functools.partial(f, system=li) for f in (network.log_psi, network.sign))
+    return psi, potential, sign, params, walkers
+
+
 def timing_table(data: dict[str, Any], args: argparse.Namespace) -> str:
+    what = "helium" if args.timing_system == "helium" else "Li, the neural template's network with its sign"
     lines = [
-        f"A DMC step against a VMC step with the same local energy and walkers (helium, {data['walkers']} walkers, "
+        f"A DMC step against a VMC step with the same local energy and walkers ({what}, {data['walkers']} walkers, "
         f"float64, {data['devices']} device{'s' if data['devices'] > 1 else ''}; {args.rounds} interleaved rounds "
         f"of {args.block} steps each):\n",
         "| DMC step / ... | ratio, median [quartiles] | ms per step (median): DMC, the other |",

@@ -69,7 +69,17 @@ def init(key: jax.Array, system: System, hidden_one: int, hidden_two: int, layer
 
 
 def log_psi(params: dict, r: jax.Array, system: System) -> jax.Array:
-    """log|psi| of ONE walker ``r`` (n_electrons, 3).
+    """log|psi| of ONE walker ``r`` (n_electrons, 3)."""
+    return signed_log_psi(params, r, system)[1]
+
+
+def sign(params: dict, r: jax.Array, system: System) -> jax.Array:
+    """The sign of psi at ONE walker ``r``: fixed-node DMC's nodes (``sv.dmc.DMC(..., sign=...)``)."""
+    return signed_log_psi(params, r, system)[0]
+
+
+def signed_log_psi(params: dict, r: jax.Array, system: System) -> tuple[jax.Array, jax.Array]:
+    """``(sign of psi, log|psi|)`` of ONE walker ``r`` (n_electrons, 3).
 
     The one-electron stream (electron-nucleus vectors and distances) and the two-electron
     stream (electron-electron ones) go through layers that mix each electron's features with
@@ -111,9 +121,10 @@ def log_psi(params: dict, r: jax.Array, system: System) -> jax.Array:
             s, ld = jnp.linalg.slogdet(orbitals)
             signs, logdets = signs * s, logdets + ld
     shift = jax.lax.stop_gradient(jnp.max(logdets))  # log|sum_k w_k sign_k det_k|, without overflow
-    log_dets = jnp.log(jnp.abs(jnp.sum(head["det_weights"] * signs * jnp.exp(logdets - shift)))) + shift
+    dets = jnp.sum(head["det_weights"] * signs * jnp.exp(logdets - shift))
+    log_dets = jnp.log(jnp.abs(dets)) + shift
 
     # Jastrow: sum_{i<j} a_ij r_ij / (1 + b r_ij), the cusp a = 1/4 (same spin) or 1/2 (opposite), b = sqrt(beta^2 + 1).
     cusp = jnp.where(up[:, None] == up[None, :], 0.25, 0.5)
     b = jnp.sqrt(params["jastrow"]["beta"] ** 2 + 1.0)
-    return log_dets + jnp.sum(jnp.triu(cusp * r_ee / (1.0 + b * r_ee), k=1))
+    return jnp.sign(dets), log_dets + jnp.sum(jnp.triu(cusp * r_ee / (1.0 + b * r_ee), k=1))

@@ -183,16 +183,17 @@ def initial_state(config: Config, mesh: Any, steps: Steps) -> State:
 
 
 # --8<-- [start:run]
-def run(config: Config, mesh: Any, *, make: Callable[[Config, Any], Steps] = make_steps,
-        checkpoint: str | None = None, checkpoint_every: int = 100, stop_after: int | None = None,
-        print_every: int = 0) -> dict[str, Any]:  # fmt: skip
-    """Train ``config.steps`` steps (the method ``make`` builds), evaluate ``config.eval_steps``; a summary.
+def train(config: Config, mesh: Any, *, make: Callable[[Config, Any], Steps] = make_steps,
+          checkpoint: str | None = None, checkpoint_every: int = 100, stop_after: int | None = None,
+          print_every: int = 0) -> sv.driver.RunResult:  # fmt: skip
+    """Train ``config.steps`` steps (the method ``make`` builds): ``sv.driver.run``'s result (state, history).
 
     ``checkpoint``: a directory to save in every ``checkpoint_every`` steps, at the end and on a
     preemption notice (then the process exits with 75); the same call goes on from there, on any
-    mesh. ``stop_after``: end the training there (a checkpoint is saved), to go on later.
+    mesh (a finished run's checkpoint gives its state at once). ``stop_after``: end the training
+    there (a checkpoint is saved), to go on later.
     """
-    start_time, root = time.perf_counter(), jax.random.key(config.seed)
+    root = jax.random.key(config.seed)
     with jax.enable_x64(config.x64), sv.use_mesh(mesh):
         steps = make(config, mesh)
         state = initial_state(config, mesh, steps)
@@ -201,18 +202,26 @@ def run(config: Config, mesh: Any, *, make: Callable[[Config, Any], Steps] = mak
         settings = dataclasses.asdict(dataclasses.replace(config, steps=0, eval_steps=0, batch_size=None))
         n = config.steps if stop_after is None else min(config.steps, stop_after)
         lines = sv.driver.PrintLog(print_every) if print_every else None
-        result = sv.driver.run(steps.train, state, n, key=jax.random.fold_in(root, 1), out=lines,
-                               metadata=settings, checkpoint=checkpoint,
-                               checkpoint_every=checkpoint_every)  # fmt: skip
-        estimate = None
-        if result.status == "finished" and n == config.steps and config.eval_steps:
-            sampler, params = make_sampler(config, mesh), result.state.params
-            estimate = sv.driver.expect(sampler, energy_of(config.system), params, result.state.sampler,
-                                        config.eval_steps, key=jax.random.fold_in(root, 2))  # fmt: skip
+        return sv.driver.run(steps.train, state, n, key=jax.random.fold_in(root, 1), out=lines, metadata=settings,
+                             checkpoint=checkpoint, checkpoint_every=checkpoint_every)  # fmt: skip
+
+
+def run(config: Config, mesh: Any, *, stop_after: int | None = None, **options: Any) -> dict[str, Any]:
+    """Train (``train``, with its ``options``), evaluate ``config.eval_steps`` steps: the run's summary."""
+    start_time = time.perf_counter()
+    result = train(config, mesh, stop_after=stop_after, **options)
+    finished = result.status == "finished" and len(result.history["energy"]) == config.steps
+    estimate = evaluate(config, mesh, result.state) if finished and config.eval_steps else None
     n_params = sum(x.size for x in jax.tree.leaves(result.state.params))
-    status = "finished" if result.status == "finished" and n == config.steps else "stopped"
     seconds = time.perf_counter() - start_time
-    return summarise(config, result.history, estimate, status, mesh, n_params, seconds)
+    return summarise(config, result.history, estimate, "finished" if finished else "stopped", mesh, n_params, seconds)
+
+
+def evaluate(config: Config, mesh: Any, state: State) -> sv.Stats:
+    """The trained network's energy: ``config.eval_steps`` steps of sampling and local energies, fixed parameters."""
+    with jax.enable_x64(config.x64), sv.use_mesh(mesh):
+        return sv.driver.expect(make_sampler(config, mesh), energy_of(config.system), state.params, state.sampler,
+                                config.eval_steps, key=jax.random.fold_in(jax.random.key(config.seed), 2))  # fmt: skip
 
 
 # --8<-- [end:run]

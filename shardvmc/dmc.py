@@ -72,7 +72,7 @@ from ._placement import replicate
 from ._stats import current_body
 from ._walkerset import WalkerSet
 from .hamiltonian import LAPLACIANS, laplacian_and_gradient
-from .mcmc import Walker, float_positions, log_psi_value
+from .mcmc import SamplerState, Walker, float_positions, log_psi_value
 
 __all__ = ["DMC", "DMCState", "DMCWalker", "energy", "extrapolate"]
 
@@ -288,8 +288,10 @@ class DMC:
         """The DMC state of walkers at ``walkers``' positions, each of weight 1, at ``params``.
 
         Args:
-            params: the trial function's parameters; or a VMC state (``sv.driver.VMCState``, e.g.
-                ``result.state`` of a VMC run), whose parameters and sampler's walkers are then the start.
+            params: the trial function's parameters; or a VMC state: any state with the parameters as
+                ``params`` and a :class:`shardvmc.mcmc.SamplerState` as ``sampler`` (``sv.driver.VMCState``, the
+                neural template's; e.g. ``result.state`` of a VMC run), whose parameters and sampler's walkers
+                are then the start.
             walkers: the walkers: a :class:`~shardvmc.WalkerSet` of positions (from
                 ``sv.initialize_walkers_sharded``) or of :class:`shardvmc.mcmc.Walker` (a sampler's), or an
                 array (all walkers valid). Their count is the population of the whole run.
@@ -302,9 +304,7 @@ class DMC:
             CallError: no walkers given, or ``log|psi|`` or the local energy not finite at any walker; a
                 ``log_psi`` that is not one real number per walker.
         """
-        from ._vmc import VMCState  # (here: shardvmc.driver imports optax's pieces lazily)
-
-        if isinstance(params, VMCState) and walkers is None:
+        if walkers is None and isinstance(getattr(params, "sampler", None), SamplerState) and hasattr(params, "params"):
             params, walkers = params.params, params.sampler.walkers
         if walkers is None:
             raise CallError(
