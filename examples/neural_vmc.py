@@ -202,8 +202,9 @@ def train(config: Config, mesh: Any, *, make: Callable[[Config, Any], Steps] = m
         settings = dataclasses.asdict(dataclasses.replace(config, steps=0, eval_steps=0, batch_size=None))
         n = config.steps if stop_after is None else min(config.steps, stop_after)
         lines = sv.driver.PrintLog(print_every) if print_every else None
-        return sv.driver.run(steps.train, state, n, key=jax.random.fold_in(root, 1), out=lines, metadata=settings,
-                             checkpoint=checkpoint, checkpoint_every=checkpoint_every)  # fmt: skip
+        return sv.driver.run(steps.train, state, n, key=jax.random.fold_in(root, 1), out=lines,
+                             metadata=settings, checkpoint=checkpoint,
+                             checkpoint_every=checkpoint_every)  # fmt: skip
 
 
 def run(config: Config, mesh: Any, *, stop_after: int | None = None, **options: Any) -> dict[str, Any]:
@@ -214,14 +215,16 @@ def run(config: Config, mesh: Any, *, stop_after: int | None = None, **options: 
     estimate = evaluate(config, mesh, result.state) if finished and config.eval_steps else None
     n_params = sum(x.size for x in jax.tree.leaves(result.state.params))
     seconds = time.perf_counter() - start_time
-    return summarise(config, result.history, estimate, "finished" if finished else "stopped", mesh, n_params, seconds)
+    status = "finished" if finished else "stopped"
+    return summarise(config, result.history, estimate, status, mesh, n_params, seconds)
 
 
 def evaluate(config: Config, mesh: Any, state: State) -> sv.Stats:
-    """The trained network's energy: ``config.eval_steps`` steps of sampling and local energies, fixed parameters."""
+    """The trained network's energy: ``config.eval_steps`` steps of sampling, fixed parameters."""
+    key = jax.random.fold_in(jax.random.key(config.seed), 2)
     with jax.enable_x64(config.x64), sv.use_mesh(mesh):
-        return sv.driver.expect(make_sampler(config, mesh), energy_of(config.system), state.params, state.sampler,
-                                config.eval_steps, key=jax.random.fold_in(jax.random.key(config.seed), 2))  # fmt: skip
+        return sv.driver.expect(make_sampler(config, mesh), energy_of(config.system), state.params,
+                                state.sampler, config.eval_steps, key=key)  # fmt: skip
 
 
 # --8<-- [end:run]

@@ -49,7 +49,6 @@ import dataclasses
 import os
 import random
 import tempfile
-import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -63,17 +62,12 @@ import shardvmc as sv
 import shardvmc.optax as svx
 from shardvmc import Mean, PerWalker, Replicated, WalkerKey
 
+pytestmark = pytest.mark.usefixtures("x64_padded")  # float64, padded walker counts without PaddingWarning
+
 SEED = 20261202
 RTOL = 1e-9
 DEVICES = (1, 3, 8)
 COUNTS = ("divisible", "uneven")
-
-
-@pytest.fixture(autouse=True)
-def _x64() -> Iterator[None]:
-    with jax.enable_x64(True), warnings.catch_warnings():
-        warnings.simplefilter("ignore", sv.PaddingWarning)
-        yield
 
 
 # ---- the per-walker program: a small network with the constructs of real code ------------------------

@@ -8,21 +8,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from meshes import mesh_of
 
 import shardvmc as sv
 
+pytestmark = pytest.mark.usefixtures("x64")  # float64
+
 HELIUM = -2.903724377  # exact non-relativistic ground state (Ha)
 HOOKE = 2.0  # Hooke's atom at trap frequency 1/2
-
-
-@pytest.fixture(autouse=True)
-def x64():
-    with jax.enable_x64(True):
-        yield
-
-
-def mesh_of(n: int):
-    return sv.create_mesh(jax.devices()[:n])
 
 
 def helium_log_psi(b, r):

@@ -17,26 +17,19 @@ import numpy as np
 import optax
 import pytest
 from driver_job import WALKERS, job, log_psi, params_of, pieces, potential
+from meshes import mesh_of
 from optional_imports import import_or_skip
 
 import shardvmc as sv
 import shardvmc.optax as svx
 from shardvmc.testing import cpu_environment
 
+pytestmark = pytest.mark.usefixtures("x64")  # float64
+
 ROOT = Path(__file__).resolve().parents[1]
 JOB = ROOT / "tests" / "driver_job.py"
 N = 6  # steps of the job
 WAIT_S = 600  # a bound against hangs only
-
-
-@pytest.fixture(autouse=True)
-def x64():
-    with jax.enable_x64(True):
-        yield
-
-
-def mesh_of(n: int):
-    return sv.create_mesh(jax.devices()[:n])
 
 
 @pytest.fixture(scope="module")

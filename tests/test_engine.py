@@ -10,26 +10,21 @@ garbage; the body vmapped, chunked with ``batch_size`` and written as a block
 """
 
 import functools
-import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.flatten_util import ravel_pytree
+from meshes import mesh_of
 
 import shardvmc as sv
 from shardvmc import Mean, PerWalker, Replicated, Sum
 
+pytestmark = pytest.mark.usefixtures("x64_padded")  # float64, padded walker counts without PaddingWarning
+
 N = 13  # divisible by none of the meshes but 1
 RTOL = 1e-10
-
-
-@pytest.fixture(autouse=True)
-def _x64():
-    with jax.enable_x64(True), warnings.catch_warnings():
-        warnings.simplefilter("ignore", sv.PaddingWarning)
-        yield
 
 
 def log_psi(params, r):
@@ -81,10 +76,6 @@ MAPPINGS = {
 
 # Every mapping on the 3-device mesh (uneven: it pads); the plain vmap on 1 and 8 devices too.
 CELLS = [(3, "vmap"), (3, "batch_size"), (1, "vmap"), (8, "vmap")]
-
-
-def mesh_of(n_devices):
-    return sv.create_mesh(jax.devices()[:n_devices])
 
 
 @functools.cache

@@ -15,19 +15,14 @@ import pytest
 
 import shardvmc as sv
 
+pytestmark = pytest.mark.usefixtures("x64_padded")  # float64, padded walker counts without PaddingWarning
+
 with warnings.catch_warnings():  # ArviZ announces its refactor with a FutureWarning at import
     warnings.simplefilter("ignore")
     import arviz
     import pyblock
 
 FIELDS = ("mean", "error_of_mean", "variance", "tau_corr", "R_hat", "ess")
-
-
-@pytest.fixture(autouse=True)
-def _x64():
-    with jax.enable_x64(True), warnings.catch_warnings():
-        warnings.simplefilter("ignore", sv.PaddingWarning)
-        yield
 
 
 def ar1(chains, steps, phi, seed=0, mean=0.0):
