@@ -809,8 +809,16 @@ def _comb(
         copies = jax.lax.cond(within, from_window, from_everyone, None)
         return unpack(jnp.where(valid[:, None], copies, buffer) if padded else copies)[0]
 
-    # The copies only when the comb runs (a branch: its operands are computed once, not again in every use).
-    out = jax.lax.cond(resample, combed, lambda operands: operands[0], (fields, local, halos))
+    # The copies where the comb runs. Both ways keep the operands computed once (else XLA fuses the move's
+    # arithmetic into every use of them, the copies' gathers included).
+    def branched(operands: Any) -> DMCWalker:  # a branch: no copies when the comb does not run
+        return jax.lax.cond(resample, combed, lambda o: o[0], operands)
+
+    def selected(operands: Any) -> DMCWalker:  # on a GPU a conditional sends its predicate to the host and waits
+        kept = jax.lax.optimization_barrier(operands)
+        return jax.tree_util.tree_map(lambda c, f: jnp.where(resample, c, f), combed(kept), operands[0])
+
+    out = jax.lax.platform_dependent((fields, local, halos), cpu=branched, default=selected)
     # weights: 1 after a comb; else normalised to a mean of 1; 1 again after a collapse (nothing left to weigh)
     normalised = jnp.where(alive, weight * (population / total), 1.0)
     out = out._replace(weight=jnp.where(resample | ~valid, jnp.ones((n,), dtype), normalised))
