@@ -42,14 +42,13 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import math
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from comm import step_collectives  # this folder is on sys.path when run as a script
-from harness import count_collectives, interleaved, ratio
+from harness import count_collectives, examples_on_path, interleaved, ratio
+from harness import fmt_error as fmt
 
 from shardvmc.testing import set_cpu_devices  # imports jax; starts no backend
 
@@ -227,14 +226,6 @@ def energies_table(data: dict[str, Any], args: argparse.Namespace) -> str:
     return "\n".join(lines)
 
 
-def fmt(mean: float, error: float) -> str:
-    """``-2.90413(46)``: the error in units of the last two digits shown."""
-    if not (error > 0 and math.isfinite(error)):
-        return f"{mean:.6f}"
-    digits = max(0, 1 - math.floor(math.log10(error)))
-    return f"{mean:.{digits}f}({round(error * 10**digits):d})"
-
-
 def timing(args: argparse.Namespace, mesh: Any) -> dict[str, Any]:
     """Seconds per step of DMC and of VMC (1 and 10 Metropolis moves), interleaved; their ratios."""
     import jax
@@ -289,7 +280,7 @@ def timing_workload(name: str, n: int, mesh: Any) -> tuple[Any, ...]:
     if name == "helium":
         system = systems()["helium"]
         return system["log_psi"], system["potential"], None, jnp.float64(system["b"]), walkers_of(system, n, mesh)
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    examples_on_path()
     import network
 
     li = network.LI

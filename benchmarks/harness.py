@@ -8,6 +8,7 @@ Load from other processes then slows both sides of a pair alike.
 
 import dataclasses
 import importlib.util
+import math
 import re
 import statistics
 import sys
@@ -27,14 +28,20 @@ import shardvmc as sv
 AXIS = "walkers"
 
 
+def examples_on_path() -> Path:
+    """``examples/`` on the path (its ``network`` and ``plumbing`` importable, as the examples have them)."""
+    examples = Path(__file__).resolve().parents[1] / "examples"
+    if str(examples) not in sys.path:
+        sys.path.insert(0, str(examples))
+    return examples
+
+
 def neural_example() -> Any:
     """``examples/neural_vmc.py`` loaded as the module ``neural_vmc``, with ``examples/`` on the path.
 
     As ``python examples/neural_vmc.py`` has it: the example imports its ``network`` and ``plumbing`` from there.
     """
-    examples = Path(__file__).resolve().parents[1] / "examples"
-    if str(examples) not in sys.path:
-        sys.path.insert(0, str(examples))
+    examples = examples_on_path()
     spec = importlib.util.spec_from_file_location("neural_vmc", examples / "neural_vmc.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
@@ -119,6 +126,14 @@ def count_collectives(compiled: Any) -> dict[str, int]:
 def temp_bytes(compiled: Any) -> int:
     """Temporary bytes per device of a compiled SPMD program (``memory_analysis``)."""
     return int(compiled.memory_analysis().temp_size_in_bytes)
+
+
+def fmt_error(mean: float, error: float) -> str:
+    """``-2.90413(46)``: the error in units of the last two digits shown."""
+    if not (error > 0 and math.isfinite(error)):
+        return f"{mean:.6f}"
+    digits = max(0, 1 - math.floor(math.log10(error)))
+    return f"{mean:.{digits}f}({round(error * 10**digits):d})"
 
 
 def fmt_collectives(counts: dict[str, int]) -> str:

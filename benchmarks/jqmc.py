@@ -65,7 +65,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import math
 import os
 import platform
 import subprocess
@@ -400,14 +399,6 @@ def extrapolated(x: list[float], runs: list[dict[str, Any]]) -> tuple[float, flo
     return sv.dmc.extrapolate(x, [(r["energy"], r["error"]) for r in runs])
 
 
-def fmt(mean: float, error: float) -> str:
-    """``-2.90413(46)``: the error in units of the last two digits shown."""
-    if not (error > 0 and math.isfinite(error)):
-        return f"{mean:.6f}"
-    digits = max(0, 1 - math.floor(math.log10(error)))
-    return f"{mean:.{digits}f}({round(error * 10**digits):d})"
-
-
 def compare(args: argparse.Namespace, jq: dict[str, Any], sv_out: dict[str, Any]) -> dict[str, Any]:
     """Per system: the trial functions' difference, both codes' runs and their extrapolations."""
     import numpy as np
@@ -426,6 +417,8 @@ def compare(args: argparse.Namespace, jq: dict[str, Any], sv_out: dict[str, Any]
 
 
 def tables(args: argparse.Namespace, data: dict[str, Any]) -> str:
+    from harness import fmt_error as fmt  # (this folder is on the path on shardvmc's side, not in jQMC's worker)
+
     lines = [
         f"The trial functions (jQMC's evaluate_ln_wavefunction against shardvmc's log_psi at {args.check_points} "
         "random configurations; the difference is one constant, the orbital normalisation):\n",

@@ -74,7 +74,7 @@ def run(config: Config, mesh: Any, checkpoint: str | None = None) -> dict[str, A
     for tau in taus:
         t0 = time.perf_counter()
         e, energies = dmc_run(config, mesh, trained, tau, checkpoint and f"{checkpoint}/dmc-{tau}")
-        runs.append({"time_step": tau, "steps": round(config.projection_time / tau), "energy": float(e.mean),
+        runs.append({"time_step": tau, "steps": len(energies), "energy": float(e.mean),
                      "error": float(e.error_of_mean), "seconds": time.perf_counter() - t0})  # fmt: skip
     e0, error = sv.dmc.extrapolate(taus, [(r["energy"], r["error"]) for r in runs]) if len(taus) > 1 else (None, None)
     fixed_node = None if e0 is None else e0 - system.exact_energy  # the network's nodes' error (tau -> 0)
