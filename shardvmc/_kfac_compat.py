@@ -1,11 +1,14 @@
 """Everything ``shardvmc.kfac`` needs from kfac-jax beyond its public API, in one place.
 
-Two kinds of thing live here:
+What lives here:
 
 - the fix of kfac-jax 0.0.8's ``tag_graph_matcher.eval_jaxpr_eqn`` for JAX >= 0.9.2,
   applied only when the installed kfac-jax fails a behaviour probe;
 - read-only access to the optimiser's curvature estimator (its blocks, its traced
-  program, its own per-step decisions), which kfac-jax keeps in private attributes.
+  program, its own per-step decisions), which kfac-jax keeps in private attributes;
+- the curvature of the valid walkers of every device (:func:`valid_walker_curvature`)
+  and kfac-jax's all-reduces packed into one buffer each (:func:`packed_collectives`),
+  both active only inside ``shardvmc.kfac``'s step kernel.
 
 Importing this module imports kfac-jax; ``shardvmc.kfac`` turns a missing kfac-jax, or
 one that cannot be imported on the installed JAX, into an ``ImportError`` that says why
@@ -25,14 +28,18 @@ import jax.extend as jex
 import jax.numpy as jnp
 import kfac_jax
 from kfac_jax._src import tag_graph_matcher
+from kfac_jax._src import utils as kfac_utils
 from kfac_jax._src.curvature_estimator.block_diagonal import BlockDiagonalCurvature
 from kfac_jax._src.utils.accumulators import WeightedMovingAverage
+
+from ._stats import psum_tree
 
 __all__ = [
     "ORIGINAL_EVAL_JAXPR_EQN",
     "PATCHED",
     "curvature_flags",
     "fixed_eval_jaxpr_eqn",
+    "packed_collectives",
     "parameter_blocks",
     "runs_shard_map",
     "sync_estimator",
@@ -306,27 +313,35 @@ def _statistics(block: Any, state: Any, info: Any, identity_weight: Any, n: int)
     return [average.value for average in _averages(fresh)]
 
 
-def _update_block(block: Any, state: Any, info: Any, ema_old: Any, ema_new: Any, identity_weight: Any, n: int) -> Any:
-    rows = _ROWS.get()
-    assert rows is not None
-    count = jnp.asarray(rows.count, jnp.result_type(float))
+def _local_sums(block: Any, state: Any, info: Any, identity_weight: Any, n: int, rows: _Rows) -> Any:
+    """What the block adds up over the devices: a generic block its tangents, any other its statistics' row sums."""
     if not info.primals.inputs:  # a generic block: tangents summed over the block's rows
-        scale = jnp.sqrt(n / count)
-        params = info.tangents.params
-        total = jax.tree_util.tree_map(lambda t: jax.lax.psum(t, rows.axes) * scale.astype(t.dtype), params)
-        info = dataclasses.replace(info, tangents=dataclasses.replace(info.tangents, params=total))
-        return block.update_curvature_matrix_estimate(state, info, ema_old, ema_new, identity_weight, n)
+        return info.tangents.params
     info = _zero_rows(info, rows, n)
-    new = block.update_curvature_matrix_estimate(state, info, ema_old, ema_new, identity_weight, n)
-    own = _statistics(block, state, info, identity_weight, n)
-    sums = [o * n for o in own]  # this device's rows, summed
+    sums = [o * n for o in _statistics(block, state, info, identity_weight, n)]  # this device's rows, summed
     if rows.valid is not None:
         zeros = _statistics(block, state, jax.tree_util.tree_map(jnp.zeros_like, info), identity_weight, n)
         padding = n - jnp.sum(rows.valid)
         sums = [s - padding * z for s, z in zip(sums, zeros)]
+    return sums
+
+
+def _update_block(
+    block: Any, state: Any, info: Any, total: Any, ema_old: Any, ema_new: Any, identity_weight: Any, n: int
+) -> Any:
+    """The block's new state from ``total``, its :func:`_local_sums` added over every device."""
+    rows = _ROWS.get()
+    assert rows is not None
+    count = jnp.asarray(rows.count, jnp.result_type(float))
+    if not info.primals.inputs:  # a generic block: the one-device estimate (sum_i J_i)^2 / n
+        scale = jnp.sqrt(n / count)
+        params = jax.tree_util.tree_map(lambda t: t * scale.astype(t.dtype), total)
+        info = dataclasses.replace(info, tangents=dataclasses.replace(info.tangents, params=params))
+        return block.update_curvature_matrix_estimate(state, info, ema_old, ema_new, identity_weight, n)
+    new = block.update_curvature_matrix_estimate(state, _zero_rows(info, rows, n), ema_old, ema_new, identity_weight, n)
     # The sums over every valid walker divided by their count, the same on every device: the statistics of the
     # valid walkers on one device (kfac-jax's sync, which some statistics skip, then has nothing to average).
-    target = [t / count.astype(t.dtype) for t in jax.lax.psum(sums, rows.axes)]
+    target = [t / count.astype(t.dtype) for t in total]
     for average, before, t in zip(_averages(new), _averages(state), target):
         # the moving average's own update of the old value with the target, from values that are the same on
         # every device: the result is too, bit for bit (a replicated state; its checkpoint checksums agree)
@@ -339,13 +354,99 @@ def _update_block(block: Any, state: Any, info: Any, ema_old: Any, ema_new: Any,
 def _update_blocks(
     self: Any, blocks_info: Any, state: Any, ema_old: Any, ema_new: Any, identity_weight: Any, batch_size: Any
 ) -> Any:
-    if _ROWS.get() is None:
+    rows = _ROWS.get()
+    if rows is None:
         return _ORIGINAL_UPDATE_BLOCKS(self, blocks_info, state, ema_old, ema_new, identity_weight, batch_size)
     assert len(blocks_info) == self.num_blocks
     n = int(batch_size)
+    blocks = list(zip(self.blocks, state.blocks_states, blocks_info))
+    # Every block's sums in one all-reduce of one buffer (psum_tree): XLA's CPU runtime and gloo reduce an
+    # all-reduce's operands one at a time, each a rendezvous of every device.
+    totals = psum_tree([_local_sums(b, s, info, identity_weight, n, rows) for b, s, info in blocks], rows.axes)
     new_states = tuple(
-        _update_block(block, block_state, info, ema_old, ema_new, identity_weight, n)
-        for block, block_state, info in zip(self.blocks, state.blocks_states, blocks_info)
+        _update_block(b, s, info, total, ema_old, ema_new, identity_weight, n)
+        for (b, s, info), total in zip(blocks, totals)
     )
-    # Every block's statistics are already those of every device (one all-reduce): kfac-jax's sync is skipped.
+    # Every block's statistics are already those of every device: kfac-jax's sync is skipped.
     return BlockDiagonalCurvature.State(synced=jnp.asarray(True), blocks_states=new_states)
+
+
+# ----------------------------------------------------------------------------- all-reduces of one buffer
+#
+# What: while :func:`packed_collectives` is entered, kfac-jax's all-reduces of a pytree (``pmean_if_pmap``,
+# ``psum_if_pmap``, and the sum that ends ``distribute_thunks``, its round-robin of the blocks' inverses and
+# preconditioning over the devices) reduce one buffer per call (shardvmc's ``psum_tree``) instead of one per
+# leaf.
+# Why: XLA's CPU runtime reduces an all-reduce's operands one at a time, each a rendezvous of every device
+# (``AllReduceThunk``), and gloo between processes does the same over the network. kfac-jax's step reduces
+# the gradient, its statistics, every block's new inverse and every parameter's preconditioned gradient
+# leaf by leaf: DeepQMC's LiH network on 8 fake CPU devices made about 270 rendezvous a step, most of the
+# step's time (benchmarks/RESULTS.md, "Where the 8-device KFAC time goes"). The sums are the same
+# elementwise sums; on CPUs the bits are too (each element is added in the devices' order either way).
+# Tested by tests/test_kfac.py (the step on 1, 3 and 8 devices against one device; the compiled step's
+# all-reduce operands), which fails when kfac-jax renames these.
+# When it can go: when XLA's CPU runtime and gloo reduce a multi-operand all-reduce in one exchange.
+
+_PACKED: contextvars.ContextVar[bool] = contextvars.ContextVar("shardvmc_kfac_packed", default=False)
+# (A kfac-jax without these keeps its own all-reduces: slower on CPUs, the same numbers.)
+_ORIGINAL_PMEAN: Any = getattr(kfac_utils, "pmean_if_pmap", None)
+_ORIGINAL_PSUM: Any = getattr(kfac_utils, "psum_if_pmap", None)
+_ORIGINAL_DISTRIBUTE: Any = getattr(kfac_utils, "distribute_thunks", None)
+
+
+@contextlib.contextmanager
+def packed_collectives() -> Iterator[None]:
+    """While entered, kfac-jax's all-reduces of a pytree reduce one buffer each (see above)."""
+    _install_packed()
+    token = _PACKED.set(True)
+    try:
+        yield
+    finally:
+        _PACKED.reset(token)
+
+
+def _install_packed() -> None:
+    # kfac-jax calls these as attributes of its utils package (``utils.pmean_if_pmap(...)``): one assignment each
+    # reaches every use. Inert outside packed_collectives.
+    if None in (_ORIGINAL_PMEAN, _ORIGINAL_PSUM, _ORIGINAL_DISTRIBUTE, getattr(kfac_utils, "in_pmap", None)):
+        return
+    if kfac_utils.pmean_if_pmap is not _pmean_if_pmap:
+        kfac_utils.pmean_if_pmap = _pmean_if_pmap
+        kfac_utils.psum_if_pmap = _psum_if_pmap
+        kfac_utils.distribute_thunks = _distribute_thunks
+
+
+def _packing(axis_name: str | None) -> bool:
+    return _PACKED.get() and kfac_utils.in_pmap(axis_name)
+
+
+def _psum_if_pmap(obj: Any, axis_name: str | None) -> Any:
+    if axis_name is None or not _packing(axis_name):
+        return _ORIGINAL_PSUM(obj, axis_name)
+    return psum_tree(obj, (axis_name,))
+
+
+def _pmean_if_pmap(obj: Any, axis_name: str | None) -> Any:
+    if axis_name is None or not _packing(axis_name):
+        return _ORIGINAL_PMEAN(obj, axis_name)
+    n = jax.lax.axis_size(axis_name)
+    return jax.tree_util.tree_map(lambda v: v / n, psum_tree(obj, (axis_name,)))  # as jax.lax.pmean divides
+
+
+def _distribute_thunks(thunks: Any, axis_name: str) -> Any:
+    """kfac-jax's ``distribute_thunks`` (thunk ``i`` runs on device ``i mod devices``, zeros elsewhere), summed
+    over the devices in one buffer."""
+    if not _packing(axis_name):
+        return _ORIGINAL_DISTRIBUTE(thunks, axis_name)
+    devices = jax.lax.axis_size(axis_name)
+    shapes = [jax.eval_shape(thunk) for thunk in thunks]
+
+    def branch(device: int) -> Callable[[], tuple[Any, ...]]:
+        def run() -> tuple[Any, ...]:
+            zeros = lambda shape: jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shape)  # noqa: E731
+            return tuple(t() if i % devices == device else zeros(shapes[i]) for i, t in enumerate(thunks))
+
+        return run
+
+    outputs = jax.lax.switch(jax.lax.axis_index(axis_name), [branch(d) for d in range(devices)])
+    return psum_tree(outputs, (axis_name,))

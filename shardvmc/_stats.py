@@ -132,9 +132,9 @@ def psum_tree(tree: Any, axes: tuple[str, ...]) -> Any:
     imaginary parts.
     """
     leaves, treedef = jax.tree_util.tree_flatten(tree)
-    if len(leaves) <= 1 or len({jnp.result_type(x) for x in leaves}) == 1:
-        if len(leaves) <= 1:
-            return jax.tree_util.tree_map(lambda y: jax.lax.psum(y, axes), tree)
+    if len(leaves) <= 1 or jax.lax.axis_size(axes) == 1:  # nothing to pack (on one device, not even copies)
+        return jax.tree_util.tree_map(lambda y: jax.lax.psum(y, axes), tree)
+    if len({jnp.result_type(x) for x in leaves}) == 1:
         return jax.tree_util.tree_unflatten(treedef, _psum_same(leaves, axes))
     floats = [jnp.finfo(x.dtype).dtype for x in leaves if jnp.issubdtype(x.dtype, jnp.inexact)]
     has_ints = len(floats) < len(leaves)

@@ -419,8 +419,13 @@ class Optimizer:
         rng = jax.random.fold_in(rng, jax.lax.axis_index(self._axis))
         body = current_body()
         assert body is not None
-        # kfac-jax's curvature of the valid walkers of every device, as on one device (see _kfac_compat).
-        with _kfac_compat.valid_walker_curvature(body.valid, body.count, body.axes), self._kfac.staging_context():
+        # kfac-jax's curvature of the valid walkers of every device, as on one device, and its all-reduces of one
+        # buffer each (see _kfac_compat).
+        with (
+            _kfac_compat.valid_walker_curvature(body.valid, body.count, body.axes),
+            _kfac_compat.packed_collectives(),
+            self._kfac.staging_context(),
+        ):
             # The program depends on the step number only through `plan` (the compilation key; burn-in at step 0
             # is refused in __init__); the number itself is the one being traced for, so kfac-jax takes the same
             # branches.

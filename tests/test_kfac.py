@@ -13,8 +13,11 @@ here with ``jnp`` alone.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import re
 import warnings
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -330,6 +333,40 @@ def test_any_walker_count_takes_the_valid_walkers_step_on_one_device(n_walkers, 
     assert abs(float(stats["loss"]) - float(loss_ref)) <= 1e-12 * abs(float(loss_ref))
     assert abs(float(stats["aux"]["variance"]) - float(aux_ref["variance"])) <= 1e-9 * float(aux_ref["variance"])
     assert int(stats["batch_size"]) == n_walkers and int(state.data_seen) == STEPS * n_walkers
+
+
+def _all_reduce_operands(compiled_text):
+    """The number of operands of each all-reduce of a compiled program (its text)."""
+    found = re.findall(r" all-reduce(?:-start)?\(([^)]*)\)", compiled_text)
+    return [len(re.findall(r"%", operands)) for operands in found]
+
+
+def test_the_steps_all_reduces_each_reduce_one_buffer():
+    """kfac-jax reduces the gradient, every block's inverse and every preconditioned parameter leaf by leaf, and
+    XLA's CPU runtime (like gloo) exchanges an all-reduce's operands one at a time, each a rendezvous of every
+    device: in shardvmc's step each all-reduce reduces one buffer, and the step is the same as kfac-jax's
+    leaf-by-leaf one."""
+    mesh = sv.create_mesh(jax.devices()[:8])
+
+    def step_and_operands(packed):
+        with jax.enable_x64(True):
+            params, walkers, loss = _problem()
+            opt = svk.Optimizer(loss, mesh=mesh, **KFAC)
+            state = opt.init(params, _keys(10**6), walkers)
+            step = jax.jit(lambda p, s: opt.step(p, s, _keys(0), batch=walkers, momentum=0.0, damping=DAMPING,
+                                                 global_step_int=0))  # fmt: skip
+            with contextlib.ExitStack() as stack:
+                if not packed:  # kfac-jax's own all-reduces
+                    stack.enter_context(mock.patch.object(_kfac_compat, "packed_collectives", contextlib.nullcontext))
+                operands = _all_reduce_operands(step.lower(params, state).compile().as_text())
+                return jax.device_get((params, step(params, state)[0])), operands
+
+    (params, packed), operands = step_and_operands(True)
+    (_, leafwise), leafwise_operands = step_and_operands(False)
+    assert operands and max(operands) <= 2, operands  # (a collective may pair a float buffer with another dtype's)
+    assert sum(leafwise_operands) >= 3 * sum(operands), (leafwise_operands, operands)
+    update = _max_diff(packed, params)
+    assert update > 1e-4 and _max_diff(packed, leafwise) <= 1e-12 * update
 
 
 def test_step_before_init_says_to_call_init():
