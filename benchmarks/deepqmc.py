@@ -51,6 +51,7 @@ Usage (from the repository root, after ``pip install -e ".[bench]"``)::
     python benchmarks/deepqmc.py --devices 8 --rounds 20 --block 2 --walkers 128 --trajectory ""
     python benchmarks/deepqmc.py --smoke     # shardvmc's side only, tiny, a stand-in network: no DeepQMC needed
     DEEPQMC_PYTHON=... python benchmarks/deepqmc.py --train 300 --trajectory "" --plot lih.png  # time to accuracy
+    DEEPQMC_PYTHON=... python benchmarks/deepqmc.py --train 300 --trajectory "" --seed 1  # another seed
 
 ``--train N`` trains both sides N steps from the same parameters, one step of each in turn, every
 step timed (the first with its compilation), and prints when each first reaches DeepQMC's final
@@ -111,6 +112,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--smoke", action="store_true", help="shardvmc's side only, tiny, with a stand-in network")
     parser.add_argument("--train", type=int, default=0, help="time to accuracy: train both sides this many steps")
     parser.add_argument("--plot", default="", help="with --train: the energy against wall time, to this PNG")
+    parser.add_argument("--seed", type=int, default=SEED, help="both sides' seed: initial parameters, samples")
     parser.add_argument("--json", default="", help="also write the results to this JSON file")
     # internal: one device count (--child), DeepQMC's worker (--worker), one trajectory (--trajectory-child)
     parser.add_argument("--child", type=int, default=0, help=argparse.SUPPRESS)
@@ -354,6 +356,7 @@ def deepqmc_training(
 def start_worker(args: argparse.Namespace, devices: int, params_path: str, r_check: Any) -> Any:
     """DeepQMC's worker on ``devices`` fake devices in ``--deepqmc-python``: ``(process, its ready message)``."""
     cmd = [args.deepqmc_python, str(HERE), "--worker", str(devices), "--walkers", str(args.walkers)]
+    cmd += ["--seed", str(args.seed)]
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "XLA_FLAGS")}  # its own packages
     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
     return proc, ask(proc, params=params_path, r_check=r_check)
@@ -415,12 +418,12 @@ def shardvmc_job(walkers: int, smoke: bool) -> dict[str, Any]:
     positions = sv.initialize_walkers_sharded(one_walker, walkers, key=jax.random.key(SEED))
     box: dict[str, Any] = {"state": vmc.init(sv.replicate(params0), positions, width=TAU)}
     for t in range(BURN_IN):  # the burn-in at the initial parameters
-        state, key = box["state"], jax.random.fold_in(jax.random.key(2), t)
+        state, key = box["state"], jax.random.fold_in(jax.random.key(2 + 100 * SEED), t)
         box["state"] = state._replace(sampler=sample(state.params, state.sampler, key))
 
     def run(n_steps: int) -> Any:
         for _ in range(n_steps):
-            key = jax.random.fold_in(jax.random.key(3), len(energies))
+            key = jax.random.fold_in(jax.random.key(3 + 100 * SEED), len(energies))
             box["state"], stats = vmc.step(box["state"], key)
             energies.append(float(stats["energy"]))
         return box["state"].params
@@ -577,7 +580,7 @@ def run_child(flag: str, devices: int, args: argparse.Namespace, *extra: str) ->
     cmd = [sys.executable, str(HERE), flag, str(devices), "--walkers", str(args.walkers), "--rounds", str(args.rounds)]
     cmd += ["--block", str(args.block), "--piece-reps", str(args.piece_reps), "--deepqmc-python", args.deepqmc_python]
     cmd += ["--trajectory-walkers", str(args.trajectory_walkers), "--trajectory-steps", str(args.trajectory_steps)]
-    cmd += ["--train", str(args.train)]
+    cmd += ["--train", str(args.train), "--seed", str(args.seed)]
     cmd += [*extra, *(["--smoke"] if args.smoke else [])]
     out = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, timeout=3600)
     rows = [json.loads(line[2:]) for line in out.stdout.splitlines() if line.startswith("@@")]
@@ -610,7 +613,9 @@ def trajectories(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    global SEED
     args = parse_args(argv)
+    SEED = args.seed  # read by the model's and both sides' random numbers (0: the figures recorded so far)
     if args.worker:
         return worker(args)
     if args.child:
