@@ -313,11 +313,16 @@ def _statistics(block: Any, state: Any, info: Any, identity_weight: Any, n: int)
     return [average.value for average in _averages(fresh)]
 
 
+def _is_generic(info: Any) -> bool:
+    """Whether the block is a generic one (no layer inputs: its tangents are already summed over its rows)."""
+    return not info.primals.inputs
+
+
 def _local_sums(block: Any, state: Any, info: Any, identity_weight: Any, n: int, rows: _Rows) -> Any:
-    """What the block adds up over the devices: a generic block its tangents, any other its statistics' row sums."""
-    if not info.primals.inputs:  # a generic block: tangents summed over the block's rows
+    """What the block adds up over the devices: a generic block its tangents, any other its statistics' row sums
+    (``info`` with its padding rows zeroed)."""
+    if _is_generic(info):
         return info.tangents.params
-    info = _zero_rows(info, rows, n)
     sums = [o * n for o in _statistics(block, state, info, identity_weight, n)]  # this device's rows, summed
     if rows.valid is not None:
         zeros = _statistics(block, state, jax.tree_util.tree_map(jnp.zeros_like, info), identity_weight, n)
@@ -327,18 +332,16 @@ def _local_sums(block: Any, state: Any, info: Any, identity_weight: Any, n: int,
 
 
 def _update_block(
-    block: Any, state: Any, info: Any, total: Any, ema_old: Any, ema_new: Any, identity_weight: Any, n: int
+    block: Any, state: Any, info: Any, total: Any, count: Any, ema_old: Any, ema_new: Any, identity_weight: Any, n: int
 ) -> Any:
-    """The block's new state from ``total``, its :func:`_local_sums` added over every device."""
-    rows = _ROWS.get()
-    assert rows is not None
-    count = jnp.asarray(rows.count, jnp.result_type(float))
-    if not info.primals.inputs:  # a generic block: the one-device estimate (sum_i J_i)^2 / n
+    """The block's new state from ``total``, its :func:`_local_sums` added over every device, and the valid
+    walkers' ``count`` (``info`` as :func:`_local_sums` got it)."""
+    if _is_generic(info):  # the one-device estimate (sum_i J_i)^2 / n
         scale = jnp.sqrt(n / count)
         params = jax.tree_util.tree_map(lambda t: t * scale.astype(t.dtype), total)
         info = dataclasses.replace(info, tangents=dataclasses.replace(info.tangents, params=params))
         return block.update_curvature_matrix_estimate(state, info, ema_old, ema_new, identity_weight, n)
-    new = block.update_curvature_matrix_estimate(state, _zero_rows(info, rows, n), ema_old, ema_new, identity_weight, n)
+    new = block.update_curvature_matrix_estimate(state, info, ema_old, ema_new, identity_weight, n)
     # The sums over every valid walker divided by their count, the same on every device: the statistics of the
     # valid walkers on one device (kfac-jax's sync, which some statistics skip, then has nothing to average).
     target = [t / count.astype(t.dtype) for t in total]
@@ -359,12 +362,14 @@ def _update_blocks(
         return _ORIGINAL_UPDATE_BLOCKS(self, blocks_info, state, ema_old, ema_new, identity_weight, batch_size)
     assert len(blocks_info) == self.num_blocks
     n = int(batch_size)
-    blocks = list(zip(self.blocks, state.blocks_states, blocks_info))
+    count = jnp.asarray(rows.count, jnp.result_type(float))
+    infos = [info if _is_generic(info) else _zero_rows(info, rows, n) for info in blocks_info]
+    blocks = list(zip(self.blocks, state.blocks_states, infos))
     # Every block's sums in one all-reduce of one buffer (psum_tree): XLA's CPU runtime and gloo reduce an
     # all-reduce's operands one at a time, each a rendezvous of every device.
     totals = psum_tree([_local_sums(b, s, info, identity_weight, n, rows) for b, s, info in blocks], rows.axes)
     new_states = tuple(
-        _update_block(b, s, info, total, ema_old, ema_new, identity_weight, n)
+        _update_block(b, s, info, total, count, ema_old, ema_new, identity_weight, n)
         for (b, s, info), total in zip(blocks, totals)
     )
     # Every block's statistics are already those of every device: kfac-jax's sync is skipped.
