@@ -103,7 +103,8 @@ class VMC:
 
     Raises:
         CallError: for both ``potential`` and ``local_energy``, or an optimiser that is not an optax
-            transformation.
+            transformation; at :meth:`init` (and :meth:`step`), parameters without an array leaf (``None``,
+            ``{}``): there is nothing to optimise (:func:`expect` samples a wavefunction without parameters).
 
     Example:
         >>> import jax, jax.numpy as jnp, optax, shardvmc as sv, shardvmc.optax as svx
@@ -189,10 +190,14 @@ class VMC:
         """The state at ``params`` (replicated here) with the sampler's state of ``walkers`` and the optimiser's.
 
         Args:
-            params: the initial parameters.
+            params: the initial parameters: a pytree with at least one array (or number) leaf.
             walkers: the walkers' positions (a ``sv.WalkerSet``, e.g. from ``sv.initialize_walkers_sharded``).
             width: the initial proposal width.
+
+        Raises:
+            CallError: ``params`` without a leaf (``None``, ``{}``): a VMC optimisation needs parameters.
         """
+        _check_params(params, "shardvmc.driver.VMC.init")
         leaf = jax.tree_util.tree_leaves(walkers.data if isinstance(walkers, WalkerSet) else walkers)[0]
         sharding = getattr(leaf, "sharding", None)
         mesh = sharding.mesh if isinstance(sharding, NamedSharding) and isinstance(sharding.mesh, Mesh) else self.mesh
@@ -220,6 +225,7 @@ class VMC:
     def _traced_step(self, state: VMCState, key: jax.Array) -> tuple[VMCState, dict[str, jax.Array]]:
         optax = _optax()
         assert self.sampler is not None
+        _check_params(state.params, "shardvmc.driver.VMC.step")  # (a state built by hand; on the traced structure)
         params = state.params
         sampler = self.sampler.step(params, state.sampler, key)
         if self._walker_optimiser is not None:
@@ -259,6 +265,25 @@ class VMC:
         assert self.sampler is not None and self.local_energy is not None
         observable = self.local_energy if observable is None else observable
         return expect(self.sampler, observable, state.params, state.sampler, n_steps, key=key, progress=progress)
+
+
+def _check_params(params: Any, where: str) -> None:
+    """A ``CallError`` for parameters without a leaf: a VMC optimisation has nothing to optimise then."""
+    if jax.tree_util.tree_leaves(params):
+        return
+    raise CallError(
+        message(
+            where,
+            "params has no array leaf, so there is nothing to optimise: VMC's step updates the parameters that "
+            "log_psi(params, r) reads.",
+            got=f"params={params!r}",
+            expected="the wavefunction's parameters: an array, a number, or a pytree of them (e.g. flax params)",
+            fix="pass the initial parameters, e.g. vmc.init(jnp.float32(0.5), walkers). To estimate the energy of a "
+            "wavefunction without parameters, sample it at params=None: sv.driver.expect(sampler, local_energy, "
+            "None, sampler.init(None, walkers), n_steps, key=key) with sampler = sv.mcmc.Metropolis(log_psi) (or "
+            "sv.dmc.DMC(log_psi, potential).init(None, walkers)).",
+        )
+    )
 
 
 def _stats(energy: jax.Array, variance: jax.Array, sampler: SamplerState) -> dict[str, jax.Array]:

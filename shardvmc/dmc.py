@@ -262,7 +262,13 @@ class DMC:
         if self.halo is not None and (isinstance(self.halo, bool) or not isinstance(self.halo, int) or self.halo < 1):
             raise CallError(message(_WHERE, "halo must be a positive int or None.", got=repr(self.halo)))
         options = {"mesh": self.mesh, "axis_name": self.axis_name}
-        evaluate_one = _make_evaluate(self.log_psi, self.sign, self.potential, self.local_energy, self.laplacian)
+        evaluate_one = _make_evaluate(
+            self.log_psi,
+            _one_number(self.sign, "sign", "sign(params, r)"),
+            _one_number(self.potential, "potential", "potential(r)"),
+            _one_number(self.local_energy, "local_energy", "local_energy(params, r)"),
+            self.laplacian,
+        )
         move, move_rows = _make_move(evaluate_one, self.drift_scale, self.limit_energy)
         object.__setattr__(self, "move", walker_parallel(batch_size=self.batch_size, **options)(move))
         object.__setattr__(self, "_move_rows", walker_parallel(batch_size=self.batch_size, **options)(move_rows))
@@ -302,7 +308,8 @@ class DMC:
 
         Raises:
             CallError: no walkers given, or ``log|psi|`` or the local energy not finite at any walker; a
-                ``log_psi`` that is not one real number per walker.
+                ``log_psi``, ``potential``, ``local_energy`` or ``sign`` that is not one real number per walker
+                (e.g. a potential that returns one number per electron).
         """
         if walkers is None and isinstance(getattr(params, "sampler", None), SamplerState) and hasattr(params, "params"):
             params, walkers = params.params, params.sampler.walkers
@@ -363,7 +370,11 @@ class DMC:
             at the proposed positions),
             ``resampled`` (1 when the comb ran) and ``fallback`` (1 when the copies moved by an all-gather).
             :func:`energy` makes the run's estimate from them.
+
+        Raises:
+            CallError: a ``key`` that is not ONE PRNG key (an int, a float array, one key per walker).
         """
+        _check_step_key(key)
         mesh = self.mesh
         if mesh is None:
             mesh = mesh_of_arrays(state.walkers.data, self.axis_name)
@@ -430,6 +441,63 @@ class DMC:
 
 
 # ----------------------------------------------------------------------------- the per-walker pieces
+
+# What each of the user's per-walker functions must return for one walker, and how to fix another return.
+_ONE_NUMBER_FIX = {
+    "potential": "return the walker's potential energy as one number: sum its terms, e.g. "
+    "jnp.sum(per_electron_terms). potential(r) is called for ONE walker, r of shape (n_electrons, ndim).",
+    "local_energy": "return the walker's local energy as one number (sum its terms, e.g. jnp.sum(...)); "
+    "local_energy(params, r) is called for ONE walker, r of shape (n_electrons, ndim), with no batch axis.",
+    "sign": "return the sign of psi at the walker as one number (+1 or -1), e.g. jnp.sign(jnp.linalg.det(...)) "
+    "of one walker's orbitals, or the product of the spin blocks' signs.",
+}
+
+
+def _one_number(fn: Callable[..., Any] | None, name: str, call: str) -> Callable[..., Any] | None:
+    """``fn`` refused (``CallError``, on the traced shape: free in the compiled program) unless it returns a scalar.
+
+    A potential written for a batch of electrons (one number per electron) would otherwise give every walker a
+    vector of local energies, which no statistic of a walker can hold.
+    """
+    if fn is None:
+        return None
+
+    def checked(*args: Any) -> Any:
+        out = fn(*args)
+        leaves = jax.tree_util.tree_leaves(out)
+        one = len(leaves) == 1 and leaves[0] is out
+        if one and jnp.shape(out) == ():
+            return out
+        what = f"shape {tuple(jnp.shape(out))}" if one else f"a {type(out).__name__}"
+        raise CallError(
+            message(
+                _WHERE,
+                f"{call} returned {what} for one walker, not one number.",
+                got=f"{describe(out)} for r of shape {tuple(jnp.shape(args[-1]))}",
+                expected="one real number per walker: a scalar, shape ()",
+                fix=_ONE_NUMBER_FIX[name],
+            )
+        )
+
+    return checked
+
+
+def _check_step_key(key: Any) -> None:
+    """A ``CallError`` unless ``key`` is ONE PRNG key: typed of shape ``()``, or raw ``uint32[2]``."""
+    dtype = getattr(key, "dtype", None)
+    typed = dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key)
+    if (typed and jnp.shape(key) == ()) or (not typed and dtype == np.uint32 and jnp.shape(key) == (2,)):
+        return
+    raise CallError(
+        message(
+            "shardvmc.dmc.DMC.step",
+            "key is not ONE PRNG key.",
+            got=describe(key) if dtype is not None else f"{type(key).__name__} {key!r}",
+            expected="one key: jax.random.key(seed) (typed, shape ()) or jax.random.PRNGKey(seed) (uint32[2])",
+            fix="pass ONE key per step, dmc.step(state, jax.random.key(seed)) (walker i moves with fold_in(key, i)); "
+            "sv.driver.run(dmc.step, state, n_steps, key=...) gives step t the key fold_in(key, t).",
+        )
+    )
 
 
 def _make_evaluate(
@@ -977,11 +1045,17 @@ def extrapolate(time_steps: Any, energies: Any) -> tuple[float, float]:
     acceptance: its error is ``O(tau)`` in the energy, and small); two or more time steps fix the line.
 
     Args:
-        time_steps: the time steps ``tau`` (at least 2 different ones).
-        energies: for each, a :class:`~shardvmc.Stats` (from :func:`energy`) or a pair ``(mean, error)``.
+        time_steps: the time steps ``tau`` (at least 2 different ones, each positive and finite).
+        energies: for each, a :class:`~shardvmc.Stats` (from :func:`energy`) or a pair ``(mean, error)``, both
+            finite, the error positive.
 
     Returns:
         ``(E_0, error)``: the intercept and its standard error (from the energies' error bars).
+
+    Raises:
+        CallError: not one energy per time step, fewer than 2 different time steps, a time step that is not
+            positive and finite, an energy that is not finite (a run that stopped: NaN), an error bar that is not
+            positive and finite.
 
     Example:
         >>> import shardvmc as sv
@@ -989,6 +1063,7 @@ def extrapolate(time_steps: Any, energies: Any) -> tuple[float, float]:
         >>> round(e0, 4), round(err, 4)
         (-2.9037, 0.0022)
     """
+    where = "shardvmc.dmc.extrapolate"
     tau = np.asarray(time_steps, np.float64).reshape(-1)
     pairs = [
         (float(s.mean), float(s.error_of_mean)) if isinstance(s, Stats) else tuple(map(float, s)) for s in energies
@@ -996,16 +1071,48 @@ def extrapolate(time_steps: Any, energies: Any) -> tuple[float, float]:
     if len(pairs) != tau.shape[0] or np.unique(tau).shape[0] < 2:
         raise CallError(
             message(
-                "shardvmc.dmc.extrapolate",
+                where,
                 "needs one energy per time step, and at least 2 different time steps.",
                 got=f"{tau.shape[0]} time steps ({np.unique(tau).shape[0]} different), {len(pairs)} energies",
+                fix="pass the time step of each run and its energy (sv.dmc.energy of its history), in the same order.",
+            )
+        )
+    bad_tau = [i for i, t in enumerate(tau) if not (math.isfinite(t) and t > 0)]
+    if bad_tau:
+        raise CallError(
+            message(
+                where,
+                f"time_steps[{bad_tau[0]}] is not a positive finite time step: the fit is to tau -> 0 from tau > 0.",
+                got=f"time_steps={tau.tolist()}",
+                fix="pass each run's DMC time_step (hartree^-1, > 0), as given to sv.dmc.DMC(time_step=...).",
             )
         )
     e = np.array([m for m, _ in pairs])
     err = np.array([s for _, s in pairs])
-    if not np.all(err > 0):
+    bad_e = [i for i, m in enumerate(e) if not math.isfinite(m)]
+    if bad_e:
+        i = bad_e[0]
         raise CallError(
-            message("shardvmc.dmc.extrapolate", "every error bar must be positive.", got=repr(err.tolist()))
+            message(
+                where,
+                f"energies[{i}] (at time step {float(tau[i])!r}) is not finite: a fit through it would be NaN.",
+                got=f"(mean, error) = ({float(e[i])!r}, {float(err[i])!r})",
+                fix="leave that run out, or rerun it: a NaN energy is a run that stopped (its log says why, e.g. "
+                "StopOnNonFinite's 'energy is nan at step k').",
+            )
+        )
+    bad_err = [i for i, s in enumerate(err) if not (math.isfinite(s) and s > 0)]
+    if bad_err:
+        i = bad_err[0]
+        raise CallError(
+            message(
+                where,
+                f"the error bar of energies[{i}] (at time step {float(tau[i])!r}) is not positive and finite: the fit "
+                "weighs each energy by 1 / error^2.",
+                got=f"errors={err.tolist()}",
+                fix="pass each run's error bar (sv.dmc.energy(...).error_of_mean; it needs enough steps to be "
+                "finite), or run longer.",
+            )
         )
     a = np.stack([np.ones_like(tau), tau], axis=1) / err[:, None]
     cov = np.linalg.inv(a.T @ a)

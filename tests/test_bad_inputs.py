@@ -158,6 +158,25 @@ def _dense_1_log_psi(params: Any, r: jax.Array) -> jax.Array:
     return -jnp.sum(r**2, keepdims=True).reshape(1)  # what nn.Dense(1)(h) returns without [0]
 
 
+def _oscillator_log_psi(params: Any, r: jax.Array) -> jax.Array:
+    return -0.5 * jnp.sum(r**2)
+
+
+def _per_electron_potential(r: jax.Array) -> jax.Array:
+    return 0.5 * jnp.sum(r**2, axis=-1)  # one number per electron: the sum over them is missing
+
+
+def _dmc_step_with(key: Any) -> Any:
+    dmc = sv.dmc.DMC(_oscillator_log_psi, lambda r: 0.5 * jnp.sum(r**2), time_step=0.05)
+    return dmc.step(dmc.init(None, R8), key)
+
+
+def _vmc_init_without_params() -> Any:
+    import optax
+
+    return sv.driver.VMC(_oscillator_log_psi, optax.sgd(0.1), lambda r: 0.5 * jnp.sum(r**2)).init(None, R8)
+
+
 def other_mesh_walkers(n: int = 6):
     return sv.shard_walker(np.ones((n, 3), np.float32), sv.create_mesh(jax.devices()[:3]))
 
@@ -340,6 +359,23 @@ CATALOGUE = [
     Bad("natural_gradient: solver over the memory budget",
         lambda: sv.natural_gradient(J8, E8, damping=1e-3, method="dense", memory_budget=64), sv.CallError,
         ("natural_gradient", "no solver fits", "method='dense'", "tried: dense", "raise memory_budget=")),
+    # ------------------------------------------------ DMC and the driver
+    Bad("DMC: potential of one number per electron",
+        lambda: sv.dmc.DMC(_oscillator_log_psi, _per_electron_potential, time_step=0.05).init(None, R8), sv.CallError,
+        ("shardvmc.dmc.DMC", "potential(r) returned shape (2,)", "not one number", "float32[2]", "jnp.sum")),
+    Bad("DMC.step: float array as key", lambda: _dmc_step_with(jnp.zeros(3)), sv.CallError,
+        ("shardvmc.dmc.DMC.step", "key is not ONE PRNG key", "float32[3]", "jax.random.key(seed)")),
+    Bad("dmc.extrapolate: a NaN energy",
+        lambda: sv.dmc.extrapolate([0.02, 0.01], [(float("nan"), 0.001), (-2.9, 0.001)]), sv.CallError,
+        ("shardvmc.dmc.extrapolate", "energies[0]", "not finite", "(nan, 0.001)", "leave that run out")),
+    Bad("dmc.extrapolate: a time step that is not positive",
+        lambda: sv.dmc.extrapolate([-0.02, 0.01], [(-2.9, 0.001), (-2.9, 0.001)]), sv.CallError,
+        ("shardvmc.dmc.extrapolate", "time_steps[0]", "-0.02", "time_step")),
+    Bad("dmc.extrapolate: an error bar that is not finite",
+        lambda: sv.dmc.extrapolate([0.02, 0.01], [(-2.9, float("inf")), (-2.9, 0.001)]), sv.CallError,
+        ("shardvmc.dmc.extrapolate", "error bar of energies[0]", "inf", "error_of_mean")),
+    Bad("VMC: params=None (nothing to optimise)", _vmc_init_without_params, sv.CallError,
+        ("shardvmc.driver.VMC.init", "params has no array leaf", "params=None", "sv.driver.expect")),
 ]  # fmt: skip
 
 
@@ -410,3 +446,17 @@ def test_user_errors_inside_the_function_are_not_rewritten() -> None:
 
     with pytest.raises(TypeError, match="^my own bug"):
         broken(R8)
+
+
+def test_a_vmc_state_without_parameters_is_refused_by_the_step_too() -> None:
+    """A state built by hand (not by init) with params=None: the step names params, not a WalkerSet inside it."""
+    import optax
+
+    vmc = sv.driver.VMC(_oscillator_log_psi, optax.sgd(0.1), lambda r: 0.5 * jnp.sum(r**2))
+    state = sv.driver.VMCState(None, optax.sgd(0.1).init(None), vmc.sampler.init(None, R8))
+    with pytest.raises(sv.CallError, match=r"^shardvmc\.driver\.VMC\.step: params has no array leaf") as info:
+        vmc.step(state, jax.random.key(0))
+    assert "sv.driver.expect" in str(info.value)
+    # and a wavefunction without parameters is still sampled at fixed (no) parameters, as the fix says
+    energy = sv.driver.expect(vmc.sampler, vmc.local_energy, None, state.sampler, 3, key=jax.random.key(1))
+    assert float(energy.mean) == pytest.approx(3.0)  # the ground state of two 3-D oscillators: E_L = 3 everywhere

@@ -308,6 +308,52 @@ def test_no_finite_walker_at_the_start_is_an_error():
         dmc.init(jnp.float64(0.3), walkers_of(13, mesh_of(1), 0.7))
 
 
+def _per_electron_distances(r):
+    return jnp.linalg.norm(r, axis=-1)  # one number per electron
+
+
+@pytest.mark.parametrize(
+    "options, call",
+    [
+        ({"potential": lambda r: -2.0 / _per_electron_distances(r)}, "potential(r)"),
+        ({"local_energy": lambda b, r: -2.0 / _per_electron_distances(r)}, "local_energy(params, r)"),
+        ({"potential": helium_potential, "sign": lambda b, r: jnp.sign(r[:, 0])}, "sign(params, r)"),
+    ],
+    ids=["potential", "local_energy", "sign"],
+)
+def test_a_function_of_one_number_per_electron_is_refused(options, call):
+    """Written for the electrons, not for the walker: refused at init with the function and the shape, never
+    JAX's "Only scalar arrays can be converted to Python scalars"."""
+    dmc = sv.dmc.DMC(helium_log_psi, time_step=0.05, **options)
+    with pytest.raises(sv.CallError) as info:
+        dmc.init(jnp.float64(0.3), walkers_of(13, mesh_of(3), 0.7))
+    text = str(info.value)
+    assert text.startswith(f"shardvmc.dmc.DMC: {call} returned shape (2,) for one walker, not one number."), text
+    assert "float64[2] for r of shape (2, 3)" in text and "\n  fix:" in text
+
+
+@pytest.mark.parametrize(
+    "make_key, got",
+    [
+        (lambda: jnp.zeros(3, jnp.float32), ("float32[3]", "float32[3]")),
+        (lambda: 3, ("int 3", "int64[]")),  # (jax.jit traces the int as a scalar)
+        (lambda: jax.random.split(jax.random.key(0), 13), ("key<fry>[13]", "key<fry>[13]")),
+        (lambda: np.zeros(3, np.uint32), ("uint32[3]", "uint32[3]")),
+    ],
+    ids=["float-array", "int-seed", "key-per-walker", "raw-uint32-of-3"],
+)
+def test_a_step_key_that_is_not_one_key_is_refused(make_key, got):
+    dmc = sv.dmc.DMC(helium_log_psi, helium_potential, time_step=0.05)
+    state = dmc.init(jnp.float64(0.3), walkers_of(13, mesh_of(3), 0.7))
+    for step, shown in zip((dmc.step, jax.jit(dmc.step)), got):  # eagerly and traced
+        with pytest.raises(sv.CallError, match=r"^shardvmc\.dmc\.DMC\.step: key is not ONE PRNG key") as info:
+            step(state, make_key())
+        assert f"got:      {shown}\n" in str(info.value) and "jax.random.key(seed)" in str(info.value)
+    # a key passes: typed or raw, the same step
+    typed = dmc.step(state, jax.random.key(1))[1]["energy"]
+    assert float(dmc.step(state, jax.random.PRNGKey(1))[1]["energy"]) == float(typed)
+
+
 def test_a_collapsed_population_stops_the_run_with_the_walkers_kept():
     """Every weight NaN (here: a state whose trial energy was damaged): energy is NaN at that step, the run stops
     there, and the walkers are kept, with weight 1."""
@@ -387,3 +433,36 @@ def test_the_estimator_undoes_the_population_control_and_extrapolates():
     assert e0 == pytest.approx(-2.91) and err == pytest.approx(math.sqrt(5) * 0.001)
     with pytest.raises(sv.CallError, match="2 different time steps"):
         sv.dmc.extrapolate([0.1, 0.1], [(-2.9, 0.01), (-2.9, 0.01)])
+
+
+def _history(steps=200, nan_at=None):
+    e = np.full(steps, -2.9) + 0.001 * np.random.default_rng(0).normal(size=steps)
+    if nan_at is not None:
+        e[nan_at] = np.nan
+    return {"energy": e, "growth_energy": e, "tau_eff": np.full(steps, 0.01), "variance": np.full(steps, 0.1)}
+
+
+@pytest.mark.parametrize(
+    "time_steps, energies, match",
+    [
+        ([0.02, 0.01], [(np.nan, 0.001), (-2.9, 0.001)], r"energies\[0\] \(at time step 0\.02\) is not finite"),
+        ([0.02, 0.01], [(-2.9, 0.001), (-np.inf, 0.001)], r"energies\[1\] \(at time step 0\.01\) is not finite"),
+        ([0.02, 0.01], "a run whose energy went NaN", r"energies\[1\] \(at time step 0\.01\) is not finite"),
+        ([0.0, 0.01], [(-2.9, 0.001), (-2.9, 0.001)], r"time_steps\[0\] is not a positive finite time step"),
+        ([0.02, -0.01], [(-2.9, 0.001), (-2.9, 0.001)], r"time_steps\[1\] is not a positive finite time step"),
+        ([np.nan, 0.01], [(-2.9, 0.001), (-2.9, 0.001)], r"time_steps\[0\] is not a positive finite time step"),
+        ([np.inf, 0.01], [(-2.9, 0.001), (-2.9, 0.001)], r"time_steps\[0\] is not a positive finite time step"),
+        ([0.02, 0.01], [(-2.9, 0.0), (-2.9, 0.001)], r"the error bar of energies\[0\] .* is not positive and finite"),
+        ([0.02, 0.01], [(-2.9, 0.001), (-2.9, -0.001)], r"the error bar of energies\[1\] .* is not positive"),
+        ([0.02, 0.01], [(-2.9, np.nan), (-2.9, 0.001)], r"the error bar of energies\[0\] .* is not positive"),
+        ([0.02, 0.01], [(-2.9, np.inf), (-2.9, 0.001)], r"the error bar of energies\[0\] .* is not positive"),
+    ],
+)
+def test_extrapolate_refuses_what_it_cannot_fit(time_steps, energies, match):
+    """Before: a NaN energy gave (nan, 0.0022), a NaN with a finite error bar; a negative time step was fitted."""
+    if isinstance(energies, str):  # sv.dmc.energy of a run whose energy was NaN at a step: a Stats of mean NaN
+        energies = [sv.dmc.energy(_history()), sv.dmc.energy(_history(nan_at=150))]
+        assert math.isnan(energies[1].mean)
+    with pytest.raises(sv.CallError, match=r"^shardvmc\.dmc\.extrapolate: " + match) as info:
+        sv.dmc.extrapolate(time_steps, energies)
+    assert "\n  fix:" in str(info.value)
