@@ -75,7 +75,7 @@ from ._vmap import shard_vmap as shard_vmap
 from ._vmap import sharded_batched_vmap as sharded_batched_vmap
 from ._walkerset import WalkerSet as WalkerSet
 
-__version__ = "0.3.0"
+__version__ = "0.4.0"
 
 __all__ = [
     "ArgumentsError",

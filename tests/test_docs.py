@@ -261,6 +261,13 @@ def test_the_site_shows_the_packages_version():
     assert docs_hooks.on_config(config)["site_name"] == f"shardvmc {shardvmc.__version__}"  # once only
 
 
+def test_the_citation_names_the_packages_version():
+    # docs/licence.md's BibTeX entry: the version a reader cites is the version of the tree the site was built from
+    assert re.findall(r"^\s*version\s*=\s*\{([^}]*)\},", (DOCS / "licence.md").read_text(), re.M) == [
+        shardvmc.__version__
+    ]
+
+
 def test_every_release_in_the_changelog_has_its_date():
     releases = RELEASE.findall((ROOT / "CHANGELOG.md").read_text())
     assert shardvmc.__version__ in [version for version, _ in releases]
