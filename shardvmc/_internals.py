@@ -22,9 +22,13 @@ from jax.sharding import Mesh
 
 __all__ = [
     "CONTEXT_MESH",
+    "Jaxpr",
     "NO_CONTEXT_MESH",
     "SignalDisposition",
     "backends_initialized",
+    "closed_jaxpr_parts",
+    "is_jaxpr",
+    "literal_value",
     "distributed_settings",
     "gloo_host",
     "pin_gloo_host",
@@ -98,6 +102,39 @@ except ImportError:  # pragma: no cover - another JAX layout: assume a trace (th
 def tracing() -> bool:
     """Whether the caller runs inside a JAX trace (``jax.jit``, a transformation, a control-flow body)."""
     return not _trace_state_clean()
+
+
+# ----------------------------------------------------------------------------- jaxprs
+#
+# What: ``jax.extend.core``'s ``Jaxpr``, ``ClosedJaxpr`` and ``Literal``, as a traced program's parts.
+# Why: ``_numerics.accurate`` evaluates a traced program with some operations replaced (JAX has no
+# public interpreter that substitutes primitives). ``jax.extend.core`` is JAX's public home for
+# these types; JAX 0.12 merged ``ClosedJaxpr`` into ``Jaxpr`` (which then carries its ``consts``),
+# hence the duck typing.
+# When it can go: when JAX offers a primitive-substituting interpreter, or a per-op accuracy policy
+# (``lax.exp(x, accuracy=...)`` is per call, and XLA's TPU compiler rejected some of those ops).
+
+from jax.extend import core as _jex_core  # noqa: E402
+
+Jaxpr = _jex_core.Jaxpr
+_ClosedJaxpr: Any = getattr(_jex_core, "ClosedJaxpr", _jex_core.Jaxpr)
+
+
+def is_jaxpr(value: Any) -> bool:
+    """Whether ``value`` (an equation's parameter) is a program: a ``Jaxpr`` or ``ClosedJaxpr``."""
+    return isinstance(value, (_jex_core.Jaxpr, _ClosedJaxpr))
+
+
+def closed_jaxpr_parts(program: Any) -> tuple[Any, Any]:
+    """``(jaxpr, consts)`` of a ``ClosedJaxpr`` (or of a ``Jaxpr``: its ``consts``, if it has them, else none)."""
+    if isinstance(program, _ClosedJaxpr) and hasattr(program, "jaxpr") and program.jaxpr is not program:
+        return program.jaxpr, program.consts
+    return program, tuple(getattr(program, "consts", ()))
+
+
+def literal_value(atom: Any) -> tuple[Any] | None:
+    """``(value,)`` when ``atom`` (an equation's input) is a literal constant, else ``None`` (a variable)."""
+    return (atom.val,) if isinstance(atom, _jex_core.Literal) else None
 
 
 # ----------------------------------------------------------------------------- the backend

@@ -56,7 +56,6 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
-import folx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -68,10 +67,11 @@ from ._internals import tracing
 from ._markers import Mean, PerWalker, Replicated, Static, Sum, WalkerKey
 from ._mcstats import Stats, statistics
 from ._mesh import create_mesh, mesh_of_arrays, use_mesh
+from ._numerics import accurate
 from ._placement import replicate
 from ._stats import current_body
 from ._walkerset import WalkerSet
-from .hamiltonian import LAPLACIANS, laplacian_and_gradient
+from .hamiltonian import LAPLACIANS, value_laplacian_gradient
 from .mcmc import SamplerState, Walker, float_positions, log_psi_value
 
 __all__ = ["DMC", "DMCState", "DMCWalker", "energy", "extrapolate"]
@@ -154,7 +154,8 @@ class DMC:
             of bosons, or of two electrons of opposite spin), or ``log|psi|`` diverges there.
         local_energy: ``local_energy(params, r)`` of one walker (or a walker-parallel kernel), instead of
             ``potential``; ``log|psi|`` and its gradient are then computed with ``jax.value_and_grad``.
-        laplacian: ``"folx"`` (default) or ``"jvp"``, as ``sv.hamiltonian.local_energy``'s.
+        laplacian: ``"auto"`` (default: the platform's fastest), ``"folx"`` or ``"jvp"``, as
+            ``sv.hamiltonian.local_energy``'s.
         energy_cutoff: the local energy in the weights is clipped to ``E_T +- energy_cutoff / sqrt(tau)``
             (UNR's ``2 / sqrt(tau)`` by default); ``None``: no clipping.
         resample_threshold: resample when the weights' effective count ``(sum w)^2 / sum w^2`` falls below this
@@ -198,7 +199,7 @@ class DMC:
     time_step: float = 0.01
     sign: Callable[..., Any] | None = None
     local_energy: Callable[..., Any] | None = None
-    laplacian: str = "folx"
+    laplacian: str = "auto"
     energy_cutoff: float | None = 2.0
     resample_threshold: float = 1.0
     limit_energy: bool = False
@@ -533,16 +534,10 @@ def _make_evaluate(
         def flat_value(flat: jax.Array) -> jax.Array:
             return value(params, flat.reshape(shape))
 
-        flat = x.reshape(-1)
-        if laplacian == "folx":
-            # log|psi|, its gradient (the drift) and its Laplacian in one forward pass
-            out = folx.forward_laplacian(flat_value)(flat)
-            lp, g, lap = out.x, out.jacobian.dense_array, out.laplacian
-        else:
-            lap, g = laplacian_and_gradient(flat_value, flat, laplacian, 0)
-            lp = flat_value(flat)
+        # log|psi|, its gradient (the drift) and its Laplacian (one forward pass with folx)
+        lp, lap, g = value_laplacian_gradient(flat_value, x.reshape(-1), laplacian, 0)
         assert potential is not None
-        e = -0.5 * (lap + jnp.sum(g * g)) + jnp.asarray(potential(x)).astype(x.dtype)
+        e = -0.5 * (lap + jnp.sum(g * g)) + jnp.asarray(accurate(potential)(x)).astype(x.dtype)
         return lp, s, g.reshape(shape), e
 
     return evaluate

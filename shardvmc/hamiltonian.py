@@ -2,8 +2,6 @@
 
 ``E_L(r) = -1/2 (lap log psi(r) + grad log psi(r) . grad log psi(r)) + V(r)``, for a
 real ``log|psi|`` or a complex ``log psi`` (then the square is not conjugated and
-``E_L`` is complex). The Laplacian is folx's forward Laplacian by default
-(``laplacian="folx"``, optionally with sparse Jacobians, ``sparsity_threshold``), or
 ``"jvp"``: ``jax.linearize`` of the gradient once, then one Jacobian-vector product per
 coordinate in a ``jax.lax.fori_loop`` (FermiNet's way; least memory).
 
@@ -36,13 +34,14 @@ from jax.sharding import Mesh
 from ._decorator import WalkerParallel, walker_parallel
 from ._errors import CallError, message
 from ._markers import PerWalker, Replicated
+from ._numerics import accurate
 from .mcmc import Walker, float_positions, log_psi_value
 
 __all__ = ["LAPLACIANS", "coulomb", "kinetic_energy", "local_energy"]
-# (laplacian_and_gradient is also dmc's: a module function, not public API)
+# (value_laplacian_gradient is also dmc's: a module function, not public API)
 
-LAPLACIANS = ("folx", "jvp")
-"""The Laplacian methods: folx's forward Laplacian, or ``jax.linearize`` of the gradient and a loop of JVPs."""
+LAPLACIANS = ("auto", "folx", "jvp")
+"""The Laplacian methods: the platform's fastest, folx's forward Laplacian, or JVPs of the linearized gradient."""
 
 
 def coulomb(r: jax.Array, charges: Any = None, coords: Any = None) -> jax.Array:
@@ -99,23 +98,32 @@ def coulomb(r: jax.Array, charges: Any = None, coords: Any = None) -> jax.Array:
     return energy.astype(r.dtype)
 
 
-def laplacian_and_gradient(
+def value_laplacian_gradient(
     f: Callable[[jax.Array], jax.Array], x: jax.Array, laplacian: str, sparsity_threshold: float | int
-) -> tuple[jax.Array, jax.Array]:
-    """Laplacian and gradient of a real ``f`` of a flat ``x``, whose output may have a trailing axis (Re, Im)."""
-    if laplacian == "folx":
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Value, Laplacian and gradient of a real ``f`` of a flat ``x``, whose output may have a trailing axis (Re, Im).
+
+    ``laplacian`` as :func:`local_energy`'s; on a TPU at float32's accuracy (``_numerics.accurate``).
+    """
+
+    def by_folx(x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         out = folx.forward_laplacian(f, sparsity_threshold=sparsity_threshold)(x)
-        grad = out.jacobian.dense_array
         # folx puts the input axis first in the dense Jacobian: (d,) or (d, 2)
-        return out.laplacian, grad
-    # jax.grad for a scalar f: jacrev's vmap over a single cotangent made the JVP loop 1.6 times slower
-    # (benchmarks/RESULTS.md, "its JVP-loop Laplacian"); jacrev for the (Re, Im) pair of a complex log psi
-    grad_f = jax.grad(f) if jax.eval_shape(f, x).shape == () else jax.jacrev(f)  # (d,) or (2, d)
-    grad, grad_jvp = jax.linearize(grad_f, x)
-    eye = jnp.eye(x.shape[0], dtype=x.dtype)
-    zero = jnp.zeros(grad.shape[:-1], x.dtype)
-    lap = jax.lax.fori_loop(0, x.shape[0], lambda i, acc: acc + grad_jvp(eye[i])[..., i], zero)
-    return lap, jnp.moveaxis(grad, -1, 0)
+        return out.x, out.laplacian, out.jacobian.dense_array
+
+    def by_jvp(x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        # jax.grad for a scalar f: jacrev's vmap over a single cotangent made the JVP loop 1.6 times slower
+        # (benchmarks/RESULTS.md, "its JVP-loop Laplacian"); jacrev for the (Re, Im) pair of a complex log psi
+        grad_f = jax.grad(f) if jax.eval_shape(f, x).shape == () else jax.jacrev(f)  # (d,) or (2, d)
+        grad, grad_jvp = jax.linearize(grad_f, x)
+        eye = jnp.eye(x.shape[0], dtype=x.dtype)
+        zero = jnp.zeros(grad.shape[:-1], x.dtype)
+        lap = jax.lax.fori_loop(0, x.shape[0], lambda i, acc: acc + grad_jvp(eye[i])[..., i], zero)
+        return f(x), lap, jnp.moveaxis(grad, -1, 0)
+
+    on_tpu = by_folx if laplacian == "folx" else by_jvp  # "auto": the JVP loop was the faster there
+    elsewhere = by_jvp if laplacian == "jvp" else by_folx
+    return accurate(on_tpu, elsewhere)(x)
 
 
 def kinetic_energy(
@@ -123,7 +131,7 @@ def kinetic_energy(
     params: Any,
     r: Any,
     *,
-    laplacian: str = "folx",
+    laplacian: str = "auto",
     sparsity_threshold: float | int = 0,
 ) -> jax.Array:
     """``-1/2 (lap log psi + grad log psi . grad log psi)`` of ONE walker.
@@ -132,7 +140,7 @@ def kinetic_energy(
         log_psi: ``log_psi(params, r)`` of one walker, real or complex.
         params: its parameters.
         r: the walker's positions (any shape), or a :class:`shardvmc.mcmc.Walker`.
-        laplacian: ``"folx"`` (forward Laplacian) or ``"jvp"`` (see the module).
+        laplacian: ``"auto"`` (the platform's fastest), ``"folx"`` (forward Laplacian) or ``"jvp"`` (see the module).
         sparsity_threshold: folx's option: propagate sparse Jacobians while the non-zero
             entries are at most this many (a number above 1) or this fraction (between 0 and
             1; folx recommends about 0.6); 0 keeps them dense. ``"folx"`` only.
@@ -164,7 +172,7 @@ def kinetic_energy(
         # folx and jax.linearize take real functions: a complex value as its (Re, Im) parts
         return jnp.stack([jnp.real(value), jnp.imag(value)]) if is_complex else value
 
-    lap, grad = laplacian_and_gradient(f, x.reshape(-1), laplacian, sparsity_threshold)
+    _, lap, grad = value_laplacian_gradient(f, x.reshape(-1), laplacian, sparsity_threshold)
     if is_complex:
         lap = jax.lax.complex(lap[0], lap[1])
         grad = jax.lax.complex(grad[..., 0], grad[..., 1])
@@ -175,7 +183,7 @@ def local_energy(
     log_psi: Callable[..., Any],
     potential: Callable[[jax.Array], jax.Array] | None = None,
     *,
-    laplacian: str = "folx",
+    laplacian: str = "auto",
     sparsity_threshold: float | int = 0,
     mesh: Mesh | None = None,
     axis_name: str | tuple[str, ...] = "walkers",
@@ -186,8 +194,8 @@ def local_energy(
     Args:
         log_psi: ``log_psi(params, r)`` of ONE walker, real ``log|psi|`` or complex ``log psi``.
         potential: ``potential(r)`` of one walker's positions, e.g. built on :func:`coulomb`;
-            ``None``: no potential.
-        laplacian: ``"folx"`` (default) or ``"jvp"``; see the module.
+            ``None``: no potential. Computed at float32's accuracy on a TPU, as the kinetic energy.
+        laplacian: ``"auto"`` (default: the platform's fastest), ``"folx"`` or ``"jvp"``; see the module.
         sparsity_threshold: folx's sparse-Jacobian threshold (0: dense); see :func:`kinetic_energy`.
         mesh: the kernel's mesh (``None``: resolved at each call).
         axis_name: the walker axis (or axes) of the mesh.
@@ -221,7 +229,7 @@ def local_energy(
     def energy(params: Replicated[Any], r: PerWalker[Any]) -> PerWalker[jax.Array]:
         x = float_positions(r.r if isinstance(r, Walker) else r)
         e = kinetic_energy(log_psi, params, x, laplacian=laplacian, sparsity_threshold=sparsity_threshold)
-        return e if potential is None else e + potential(x)
+        return e if potential is None else e + accurate(potential)(x)
 
     energy.__qualname__ = "local_energy"
     return walker_parallel(mesh=mesh, axis_name=axis_name, batch_size=batch_size)(energy)

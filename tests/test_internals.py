@@ -227,3 +227,22 @@ def test_only_the_compatibility_modules_reach_into_private_modules():
         if uses and path.stem not in QUARANTINE:
             found[path.name] = uses
     assert not found, f"private APIs outside shardvmc/_internals.py: {found}; add a function there instead."
+
+
+# ---------------------------------------------------------------- jaxprs
+
+
+def test_jaxpr_parts_of_a_traced_program_and_its_literals():
+    """``make_jaxpr``'s program splits into a jaxpr and its constants; a literal input is recognised as one."""
+    closed = jax.make_jaxpr(lambda x: jnp.sin(x) * 2.0 + jnp.ones(3))(jnp.ones(3))
+    jaxpr, consts = _internals.closed_jaxpr_parts(closed)
+    assert isinstance(jaxpr, _internals.Jaxpr) and _internals.is_jaxpr(closed) and _internals.is_jaxpr(jaxpr)
+    assert len(consts) == len(jaxpr.constvars)
+    mul = next(e for e in jaxpr.eqns if e.primitive.name == "mul")
+    assert [_internals.literal_value(v) for v in mul.invars][1] == (2.0,)
+    assert _internals.literal_value(mul.invars[0]) is None
+    pjit = jax.make_jaxpr(lambda x: jax.jit(jnp.cos)(x))(1.0)
+    sub = next(
+        v for e in _internals.closed_jaxpr_parts(pjit)[0].eqns for v in e.params.values() if _internals.is_jaxpr(v)
+    )
+    assert _internals.closed_jaxpr_parts(sub)[0].eqns[0].primitive.name == "cos"
