@@ -11,6 +11,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+import shardvmc as sv
+
 
 @dataclasses.dataclass(frozen=True)
 class System:
@@ -118,7 +120,7 @@ def signed_log_psi(params: dict, r: jax.Array, system: System) -> tuple[jax.Arra
             q, h, d = head[spin], one[rows], r_ae[rows]
             env = jnp.sum(q["pi"][None] * jnp.exp(-jnp.abs(q["sigma"])[None] * d[:, :, None]), axis=1)
             orbitals = ((h @ q["w"] + q["b"]) * env).reshape(h.shape[0], k, h.shape[0]).transpose(1, 0, 2)
-            s, ld = jnp.linalg.slogdet(orbitals)
+            s, ld = sv.linalg.slogdet(orbitals)  # fast for small matrices on every platform
             signs, logdets = signs * s, logdets + ld
     shift = jax.lax.stop_gradient(jnp.max(logdets))  # log|sum_k w_k sign_k det_k|, without overflow
     dets = jnp.sum(head["det_weights"] * signs * jnp.exp(logdets - shift))
