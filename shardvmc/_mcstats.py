@@ -108,13 +108,34 @@ def _real(x: jax.Array) -> jax.Array:
 
 
 def _autocovariance(u: jax.Array) -> jax.Array:
-    """``sum_s u[s + t] conj(u[s])`` (real part) for every lag ``t``, along the last axis; ``u`` zero-padded."""
+    """``sum_s u[s + t] conj(u[s])`` (real part) for every lag ``t``, along the last axis; ``u`` zero-padded.
+
+    By FFT, but for 64-bit data on a TPU, which has no float64 FFT: there lag by lag.
+    """
+    if jnp.finfo(u.dtype).bits == 64:
+        return jax.lax.platform_dependent(u, tpu=_autocovariance_by_lags, default=_autocovariance_by_fft)
+    return _autocovariance_by_fft(u)
+
+
+def _autocovariance_by_fft(u: jax.Array) -> jax.Array:
     n = u.shape[-1]
     if jnp.iscomplexobj(u):
         f = jnp.fft.fft(u, 2 * n)
         return jnp.fft.ifft(f * jnp.conj(f)).real[..., :n]
     f = jnp.fft.rfft(u, 2 * n)
     return jnp.fft.irfft(_real(f), 2 * n)[..., :n]
+
+
+def _autocovariance_by_lags(u: jax.Array) -> jax.Array:
+    """What :func:`_autocovariance_by_fft` computes, one lag at a time: ``n`` passes over ``u``, no FFT."""
+    n = u.shape[-1]
+    padded = jnp.concatenate([u, jnp.zeros_like(u)], axis=-1)
+
+    def lag(t: jax.Array) -> jax.Array:
+        shifted = jax.lax.dynamic_slice_in_dim(padded, t, n, axis=-1)  # u[t:], then zeros
+        return jnp.sum(jnp.real(shifted * jnp.conj(u)), axis=-1)
+
+    return jnp.moveaxis(jax.lax.map(lag, jnp.arange(n)), 0, -1)
 
 
 def _geyer(rho: jax.Array, n: Any) -> jax.Array:
