@@ -61,7 +61,8 @@ class Config:
     step_size: float = 0.5  # the Metropolis proposal width (bohr)
     learning_rate: float = 0.2
     max_norm: float = 1e-3  # the largest step length in the SR metric (a trust region)
-    x64: bool = True  # float64; in float32 the device counts agree only statistically (~1e-2 Ha)
+    dtype: str = "auto"  # float64 where the platform has it, float32 on TPUs (sv.precision_policy); in float32 the
+    # device counts agree only statistically (~1e-2 Ha)
 
 
 # ---------------------------------------------------------------------------
@@ -204,7 +205,8 @@ def run(config: Config, mesh: Mesh | None = None, *, print_every: int = 0, check
     start = time.perf_counter()
     mesh = sv.create_mesh() if mesh is None else mesh
     root = jax.random.key(config.seed)
-    with jax.enable_x64(config.x64), sv.use_mesh(mesh):
+    policy = sv.precision_policy(config.dtype, mesh=mesh)  # float64, or float32 on a TPU
+    with policy.context(), sv.use_mesh(mesh):
         # A WalkerSet: `walkers` real walkers, padded to the device count; every kernel reads the count.
         key = jax.random.fold_in(root, 0)
         positions = sv.initialize_walkers_sharded(init_walker, config.walkers, key=key)
@@ -240,7 +242,7 @@ def run(config: Config, mesh: Mesh | None = None, *, print_every: int = 0, check
         "processes": int(jax.process_count()),
         **dataclasses.asdict(config),
         "eval_steps": eval_steps,
-        "dtype": "float64" if config.x64 else "float32",
+        "dtype": policy.dtype.name,
         "seconds": time.perf_counter() - start,
         "energies": history["energy"].tolist(),
         "exact": EXACT,
@@ -266,6 +268,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     # `--devices` fake CPU devices without an accelerator (and XLA's CPU deadlock workaround), before JAX
     # starts its backend; under `python -m shardvmc.launch` it joins the other processes first.
     mesh = plumbing.start(args.devices)
+    plumbing.announce(mesh, config.dtype)  # the header: devices and precision
     summary = run(config, mesh, print_every=args.print_every, checkpoint=args.checkpoint,
                   checkpoint_every=args.checkpoint_every)  # fmt: skip
     # --8<-- [end:main]

@@ -53,7 +53,7 @@ def dmc_run(config: Config, mesh: Any, trained: vmc.State, tau: float,
     )
     settings = {**dataclasses.asdict(config), "time_step": tau}  # a checkpoint of other settings is refused
     key = jax.random.fold_in(jax.random.key(config.seed), 3)
-    with jax.enable_x64(config.x64), sv.use_mesh(mesh):
+    with sv.precision_policy(config.dtype, mesh=mesh).context(), sv.use_mesh(mesh):
         result = sv.driver.run(dmc.step, dmc.init(trained), round(config.projection_time / tau), key=key,
                                metadata=settings, checkpoint=checkpoint)  # fmt: skip
     energy = sv.dmc.energy(result, discard=round(config.equilibration_time / tau))
@@ -105,6 +105,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     choices = {"system": sorted(SYSTEMS), "optimiser": vmc.OPTIMISERS}
     args, config = plumbing.parse_args(argv, Config, __doc__, quick=QUICK, choices=choices)
     mesh = plumbing.start(args.devices)
+    plumbing.announce(mesh, config.dtype)  # the header: devices and precision
     summary = run(config, mesh, checkpoint=args.checkpoint)
     if jax.process_index() == 0:  # only process 0 prints and writes
         print("\n".join(report(summary)))

@@ -60,7 +60,7 @@ class Config:
     max_norm: float = 0.005  # the largest lr^2 d.S.d of a step
     clip: float = 5.0  # local energies clipped to mean +- clip mean absolute deviations
     batch_size: int | None = None
-    x64: bool = True
+    dtype: str = "auto"  # float64 where the platform has it, float32 on TPUs (sv.precision_policy)
 
     def schedule(self, t: jax.Array) -> jax.Array:
         """FermiNet's inverse-time decay of the learning rate (optax has none), an optax schedule."""
@@ -169,7 +169,7 @@ def make_steps(config: Config, mesh: Any) -> Steps:
 def initial_state(config: Config, mesh: Any, steps: Steps) -> State:
     """Parameters, optimiser state and walkers after ``config.burn_in`` moves at the initial parameters."""
     system, root = SYSTEMS[config.system], jax.random.key(config.seed)
-    dtype = jnp.float64 if config.x64 else jnp.float32
+    dtype = sv.precision_policy(config.dtype, mesh=mesh).dtype
     sizes = (config.hidden, config.hidden_two, config.layers, config.determinants, dtype)
     params = sv.replicate(jax.jit(lambda key: init(key, system, *sizes))(jax.random.fold_in(root, 10**6)), mesh)
     positions = sv.initialize_walkers_sharded(lambda key: init_walker(key, system, dtype), config.walkers, mesh,
@@ -194,7 +194,7 @@ def train(config: Config, mesh: Any, *, make: Callable[[Config, Any], Steps] = m
     there (a checkpoint is saved), to go on later.
     """
     root = jax.random.key(config.seed)
-    with jax.enable_x64(config.x64), sv.use_mesh(mesh):
+    with sv.precision_policy(config.dtype, mesh=mesh).context(), sv.use_mesh(mesh):
         steps = make(config, mesh)
         state = initial_state(config, mesh, steps)
         sv.distributed.check_consistent(state.params)  # every process holds the same parameters
@@ -222,7 +222,7 @@ def run(config: Config, mesh: Any, *, stop_after: int | None = None, **options: 
 def evaluate(config: Config, mesh: Any, state: State) -> sv.Stats:
     """The trained network's energy: ``config.eval_steps`` steps of sampling, fixed parameters."""
     key = jax.random.fold_in(jax.random.key(config.seed), 2)
-    with jax.enable_x64(config.x64), sv.use_mesh(mesh):
+    with sv.precision_policy(config.dtype, mesh=mesh).context(), sv.use_mesh(mesh):
         return sv.driver.expect(make_sampler(config, mesh), energy_of(config.system), state.params,
                                 state.sampler, config.eval_steps, key=key)  # fmt: skip
 
@@ -280,6 +280,7 @@ def main(argv: Sequence[str] | None = None, make: Callable[[Any, Any], Steps] = 
     choices = {"system": sorted(SYSTEMS), "optimiser": optimisers}
     args, config = plumbing.parse_args(argv, config_class, __doc__, quick=QUICK, choices=choices)
     mesh = plumbing.start(args.devices)
+    plumbing.announce(mesh, config.dtype)  # the header: devices and precision
     summary = run(config, mesh, make=make, checkpoint=args.checkpoint, checkpoint_every=args.checkpoint_every,
                   print_every=args.print_every)  # fmt: skip
     if jax.process_index() == 0:  # only process 0 prints and writes

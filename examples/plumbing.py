@@ -28,13 +28,14 @@ def parse_args(argv: Sequence[str] | None, config: type, description: str, *, qu
                choices: dict[str, Any] | None = None) -> tuple[argparse.Namespace, Any]:  # fmt: skip
     """``(args, config)``: an option per field of the dataclass ``config``, ``--quick`` (``quick``'s settings), more."""
     p = argparse.ArgumentParser(description=description.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    fields = [f for f in dataclasses.fields(config) if f.name != "x64"]
+    fields = dataclasses.fields(config)
+    choices = {"dtype": ("auto", "float32", "float64"), **(choices or {})}
     for f in fields:
         kind = {"int": int, "float": float, "str": str, "int | None": int}[str(f.type)]
-        p.add_argument(f"--{f.name.replace('_', '-')}", type=kind, choices=(choices or {}).get(f.name),
+        p.add_argument(f"--{f.name.replace('_', '-')}", type=kind, choices=choices.get(f.name),
                        help=f"(default {f.default})")  # fmt: skip
     p.add_argument("--quick", action="store_true", help="a few steps of a small run (a smoke test)")
-    p.add_argument("--float32", action="store_true", help="compute in float32")
+    p.add_argument("--float32", action="store_true", help="compute in float32 (--dtype float32)")
     p.add_argument("--devices", type=int, default=8, help="fake CPU devices when there is no accelerator (the first "
                    "N when XLA_FLAGS sets a count);\nignored on accelerators and under shardvmc.launch")  # fmt: skip
     p.add_argument("--checkpoint", metavar="DIR", help="checkpoints and the log (log.jsonl); the same command resumes")
@@ -45,7 +46,17 @@ def parse_args(argv: Sequence[str] | None, config: type, description: str, *, qu
     args = p.parse_args(argv)
     values = dict(quick or {}) if args.quick else {}
     values.update({f.name: getattr(args, f.name) for f in fields if getattr(args, f.name) is not None})
-    return args, config(**values, x64=not args.float32)
+    if args.float32:
+        values["dtype"] = "float32"
+    return args, config(**values)
+
+
+def announce(mesh: Any, dtype: str) -> sv.PrecisionPolicy:
+    """The run's precision for the mesh's platform (``sv.precision_policy``), printed in the run's header."""
+    policy = sv.precision_policy(dtype, mesh=mesh)
+    if jax.process_index() == 0:
+        print(f"{mesh.devices.size} {mesh.devices.flat[0].platform} devices; computing in {policy}", flush=True)
+    return policy
 
 
 def finish(args: argparse.Namespace, summary: dict[str, Any], title: str) -> None:

@@ -13,6 +13,7 @@ from . import distributed as distributed
 from . import dmc as dmc
 from . import driver as driver
 from . import hamiltonian as hamiltonian
+from . import linalg as linalg
 from . import loss as loss
 from . import mcmc as mcmc
 from ._caches import clear_caches as clear_caches
@@ -63,6 +64,8 @@ from ._placement import pad_walker as pad_walker
 from ._placement import replicate as replicate
 from ._placement import shard_walker as shard_walker
 from ._placement import slice_walkers as slice_walkers
+from ._precision import PrecisionPolicy as PrecisionPolicy
+from ._precision import precision_policy as precision_policy
 from ._reductions import jtj as jtj
 from ._reductions import jtv as jtv
 from ._reductions import walker_mean as walker_mean
@@ -93,6 +96,7 @@ __all__ = [
     "NaturalGradientInfo",
     "PaddingWarning",
     "PerWalker",
+    "PrecisionPolicy",
     "RESIZED",
     "Replicated",
     "ShardvmcError",
@@ -120,6 +124,7 @@ __all__ = [
     "is_multi_gpu",
     "jtj",
     "jtv",
+    "linalg",
     "load_state",
     "load_walkers",
     "loss",
@@ -128,6 +133,7 @@ __all__ = [
     "natural_gradient",
     "pad_n_walkers",
     "pad_walker",
+    "precision_policy",
     "replicate",
     "replicated_args",
     "save_state",

@@ -40,6 +40,8 @@ PUBLIC = {
     # the run loop, its loggers and callbacks, the step from its pieces, evaluation (a submodule)
     "driver",
     "dmc",  # fixed-node diffusion Monte Carlo (a submodule)
+    # the run's dtype and matrix-product precision for the platform; small determinants fast everywhere
+    "precision_policy", "PrecisionPolicy", "linalg",
 }  # fmt: skip
 
 
@@ -48,6 +50,7 @@ SUBMODULES = {
     "mcmc": {"MOVES", "Metropolis", "SamplerState", "Walker", "adapt_width"},
     "hamiltonian": {"LAPLACIANS", "coulomb", "kinetic_energy", "local_energy"},
     "dmc": {"DMC", "DMCState", "DMCWalker", "energy", "extrapolate"},
+    "linalg": {"MAX_UNROLLED", "slogdet"},
     "loss": {"ClipLogSqueeze", "ClipMAD", "Clipping", "log_squeeze"},
     "driver": {
         "CSVLog", "Callback", "JsonLog", "Logger", "PrintLog", "RunResult", "StopOnNonFinite", "TensorBoardLog",

@@ -149,7 +149,12 @@ def test_settings_from_the_command_line(neural):
     spring = parse(["--optimiser", "spring", "--lr", "0.02", "--max-norm", "1e-3", "--hidden-two", "6"])
     assert (spring.lr, spring.lr_decay, spring.max_norm, spring.hidden_two) == (0.02, neural.Config.lr_decay, 1e-3, 6)
     quick = parse(["--quick", "--walkers", "100", "--system", "Be", "--float32", "--batch-size", "8"])
-    assert quick.walkers == 100 and quick.system == "Be" and quick.layers == neural.QUICK["layers"] and not quick.x64
+    assert (
+        quick.walkers == 100
+        and quick.system == "Be"
+        and quick.layers == neural.QUICK["layers"]
+        and quick.dtype == "float32"
+    )
     assert quick.batch_size == 8
     with pytest.raises(SystemExit):
         parse(["--optimiser", "kfac"])  # the KFAC example's
