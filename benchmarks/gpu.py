@@ -1,8 +1,13 @@
-"""Every ratio that matters, on an accelerator, in one table and under 8 minutes (``--smoke``: tiny, on CPU).
+"""The accelerator benchmark: every ratio that matters, on a TPU or GPU, in one table (``--smoke``: tiny, on CPU).
 
 The rows, each speed a ratio of two variants timed in turn (``harness.interleaved``:
-median over repetitions [quartiles]), all in ONE table:
+median over repetitions [quartiles]), all in ONE table, in the platform's dtype
+(``sv.precision_policy``: float32 on a TPU, float64 where the platform has it):
 
+- **11, local energies against float64**: the templates' and the corpus's Li networks
+  (initial parameters, 512 walkers): ``sv.hamiltonian.local_energy`` in float32 on the
+  platform, JAX's defaults there (plain folx), and float32 on the host's CPU, each against
+  float64 on the host's CPU: median, 95th percentile, mean, rms and largest error.
 - **8, kernels**: the corpus's FermiNet-style network (``tests/models``: Li, 2 layers
   of 32/8 hidden units, 4 determinants, 4,753 parameters; local energy by folx's
   forward Laplacian), per-walker output, decorated / hand-written
@@ -21,6 +26,11 @@ median over repetitions [quartiles]), all in ONE table:
   ``examples/neural_vmc.py``'s optimisation step (20 Metropolis moves, the folx local
   energy, the per-walker Jacobian, clipping, minSR, the update) and evaluation step for
   Li in float64 at 4,096 and 16,384 walkers, and their compiled memory per device.
+
+Every row runs in a child process that writes each finished row to a journal: a row whose
+process crashes (XLA aborts the whole process on some compiler failures, out-of-memory
+kills it) is reported as that row, with the signal and the last lines it printed, and a
+new child goes on with the next row; the table keeps every row.
 
 Time guard: every row first times one call of each variant, then takes as many
 repetitions (at most ``--reps``, at least 3) as fit ``--row-seconds``; a row that would
@@ -47,7 +57,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-SECTIONS = ("kernels", "dispatch", "solvers", "neural")
+SECTIONS = ("errors", "kernels", "dispatch", "solvers", "neural")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -65,6 +75,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--out", default="", help="also write the table (Markdown) to this file")
     parser.add_argument("--json", default="", help="also write the rows, facts and machine to this JSON file")
+    parser.add_argument("--in-process", action="store_true", help="run every row in this process (no child)")
+    parser.add_argument("--journal", default="", help=argparse.SUPPRESS)  # a child's: the rows done and started
+    parser.add_argument("--started-at", type=float, default=0.0, help=argparse.SUPPRESS)  # the parent's start
+    # the tests': the row whose name holds this text aborts its process (as XLA does on some compiler failures)
+    parser.add_argument("--abort-in", default="", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     unknown = set(args.only.split(",")) - set(SECTIONS)
     if unknown:
@@ -79,6 +94,7 @@ class Sizes:
     ferminet_walkers: list[int]
     ferminet_net: dict[str, int]
     ferminet_batch_size: int
+    error_walkers: int
     o2_walkers: int
     solvers: list[tuple[str, int, int, str]]  # (label, N, P, dtype)
     neural_walkers: list[int]
@@ -100,6 +116,7 @@ def sizes_for(args: argparse.Namespace, smoke: bool) -> Sizes:
             ferminet_walkers=counts(args.walkers, [16]),
             ferminet_net={"hidden_one": 8, "hidden_two": 4, "layers": 1, "determinants": 1},
             ferminet_batch_size=0,  # no chunked row
+            error_walkers=16,
             o2_walkers=0,
             solvers=[("scaled down", 32, 96, "float64")],
             neural_walkers=counts(args.neural_walkers, [16]),
@@ -116,8 +133,9 @@ def sizes_for(args: argparse.Namespace, smoke: bool) -> Sizes:
             ferminet_walkers=counts(args.walkers, [4096, 16384, 65536]),
             ferminet_net={"hidden_one": 32, "hidden_two": 8, "layers": 2, "determinants": 4},
             ferminet_batch_size=4096,
+            error_walkers=512,
             o2_walkers=16384,
-            solvers=[("the neural example's size", 512, 4753, "float64"), ("large", 16384, 100_000, "float32")],
+            solvers=[("the neural example's size", 512, 4753, "auto"), ("large", 16384, 100_000, "float32")],
             neural_walkers=counts(args.neural_walkers, [4096, 16384]),
             neural_quick=False,
             neural_steps=("optimisation", "evaluation"),
@@ -136,13 +154,21 @@ def sizes_for(args: argparse.Namespace, smoke: bool) -> Sizes:
 
 
 class Guard:
-    """The time budget: repetitions per row, skipped rows, and a watchdog for a call that never returns."""
+    """The time budget, the journal of finished rows, and a watchdog for a call that never returns.
 
-    def __init__(self, report: Any, sizes: Sizes, write: Callable[[str], None]) -> None:
-        self.report, self.sizes, self.write = report, sizes, write
-        self.start = time.perf_counter()
+    ``journal`` (a child's): a JSON line is appended before each row starts and when it is done;
+    rows done by earlier children (or failed with their process) are taken from it, not run again.
+    """
+
+    def __init__(self, report: Any, sizes: Sizes, write: Callable[[str], None], journal: str = "",
+                 started_at: float = 0.0, abort_in: str = "") -> None:  # fmt: skip
+        self.report, self.sizes, self.write, self.journal = report, sizes, write, journal
+        self.abort_in = abort_in
+        # the parent's start when a child runs (the budget is the whole run's), else now
+        self.start = time.perf_counter() - (time.time() - started_at if started_at else 0.0)
         self.current = "start-up"
-        self.watchdog = threading.Timer(sizes.budget + 45.0, self._expire)  # 465 s: under 8 minutes
+        self.finished = {entry["what"]: entry for entry in read_journal(journal) if "rows" in entry}
+        self.watchdog = threading.Timer(max(sizes.budget + 45.0 - self.elapsed(), 1.0), self._expire)
         self.watchdog.daemon = True
         self.watchdog.start()
 
@@ -154,25 +180,94 @@ class Guard:
         fit = int(self.sizes.row_seconds / max(seconds_per_repetition, 1e-9))
         return max(3, min(self.sizes.reps, fit))
 
+    def _log(self, entry: dict[str, Any]) -> None:
+        if self.journal:
+            with open(self.journal, "a") as f:
+                f.write(json.dumps(entry, default=str) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+
     def row(self, section: int, what: str, run: Callable[[], None]) -> None:
         """``run()`` (which adds its rows to the report), unless the budget is spent; failures become rows."""
+        if what in self.finished:  # done (or crashed) in an earlier child: its rows as recorded
+            entry = self.finished[what]
+            self.report.rows.extend(entry["rows"])
+            for key, value in entry.get("facts", {}).items():
+                self.report.facts.setdefault(key, {}).update(value)
+            return
+        first = len(self.report.rows)
         if self.elapsed() > self.sizes.budget:
             self.report.row(section, what, f"skipped: the {self.sizes.budget:.0f} s budget was spent")
+            self._log({"what": what, "rows": self.report.rows[first:]})
             return
         self.current = what
+        self._log({"what": what, "section": section, "started": True})
+        if self.abort_in and self.abort_in in what:
+            os.abort()
         start = time.perf_counter()
+        facts: dict[str, Any] = {}
         try:
             run()
         except Exception as err:  # out of memory, a refused plan: the other rows still run
             message = f"{type(err).__name__}: {str(err).splitlines()[0][:160]}" if str(err) else type(err).__name__
             self.report.row(section, what, f"failed: {message}")
-            self.report.facts.setdefault("errors", {})[what] = traceback.format_exc()[-4000:]
-        self.report.facts.setdefault("row seconds", {})[what] = round(time.perf_counter() - start, 1)
+            facts["errors"] = {what: traceback.format_exc()[-4000:]}
+        facts["row seconds"] = {what: round(time.perf_counter() - start, 1)}
+        for key, value in facts.items():
+            self.report.facts.setdefault(key, {}).update(value)
+        self._log({"what": what, "rows": self.report.rows[first:], "facts": facts})
 
     def _expire(self) -> None:
         print(f"\nTIMED OUT after {self.elapsed():.0f} s, in: {self.current}", flush=True)
         self.write(f"**Incomplete: timed out after {self.elapsed():.0f} s, in: {self.current}**")
         os._exit(124)
+
+
+def read_journal(path: str) -> list[dict[str, Any]]:
+    """The journal's entries (none when there is no journal yet)."""
+    if not path or not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def supervise(argv: list[str], args: argparse.Namespace) -> int:
+    """Run the rows in child processes: a row whose process dies becomes a failed row, and a new child goes on.
+
+    The last child that finishes writes the whole table (every row from the journal).
+    """
+    import subprocess
+    import tempfile
+
+    started_at = time.time()
+    with tempfile.TemporaryDirectory(prefix="shardvmc-accel-bench-") as tmp:
+        journal = os.path.join(tmp, "journal.jsonl")
+        for attempt in range(1, 26):
+            stderr_path = os.path.join(tmp, f"stderr-{attempt}.txt")
+            command = [sys.executable, os.path.abspath(__file__), *argv, "--journal", journal,
+                       "--started-at", str(started_at)]  # fmt: skip
+            with open(stderr_path, "w") as stderr:
+                code = subprocess.run(command, stderr=stderr).returncode
+            if code == 0:
+                return 0
+            entries = read_journal(journal)
+            done = {e["what"] for e in entries if "rows" in e}
+            open_rows = [e for e in entries if e.get("started") and e["what"] not in done]
+            tail = open(stderr_path, errors="replace").read().strip().splitlines()[-3:]
+            sys.stderr.write("\n".join(tail) + "\n")
+            if code == 124 or not open_rows:  # the watchdog's end, or a failure outside any row: the child said why
+                return code
+            crashed = open_rows[-1]
+            how = f"signal {-code}" if code < 0 else f"exit {code}"
+            last = " / ".join(line.strip()[:120] for line in tail) or "no output"
+            figure = f"failed: the process died ({how}): {last}"
+            print(f"  [{crashed['section']}] {crashed['what']}: {figure}  (a new process goes on)", flush=True)
+            with open(journal, "a") as f:
+                row = {"section": crashed["section"], "what": crashed["what"], "figure": figure, "goal": "",
+                       "met": None}  # fmt: skip
+                f.write(json.dumps({"what": crashed["what"], "rows": [row], "facts": {}}) + "\n")
+        print("gave up: every child died", flush=True)
+        return 1
 
 
 def ratio_row(
@@ -200,16 +295,46 @@ def median(values: list[float]) -> float:
 # ----------------------------------------------------------------------------- 8. kernels
 
 
-def compare_kernels(guard: Guard, what: str, dec: Any, hand: Any, params: Any, r: Any, memory: bool) -> None:
-    """Rows: decorated / hand-written (and their max rel diff), walkers per second, compiled temporary memory."""
+def error_text(e: Any, reference: Any) -> str:
+    """``median, 95 %, mean, rms and max`` of ``e - reference`` (hartree), the walkers' errors against float64."""
+    import numpy as np
+
+    d = np.asarray(e, np.float64).reshape(-1) - np.asarray(reference, np.float64).reshape(-1)
+    a = np.abs(d)
+    return (
+        f"median {np.median(a):.1e}, 95 % {np.percentile(a, 95):.1e}, mean {d.mean():+.1e}, "
+        f"rms {np.sqrt(np.mean(d * d)):.1e}, max {a.max():.1e} Ha"
+    )
+
+
+def float64_on_the_cpu(fn: Any, params: Any, r: Any) -> Any:
+    """``vmap(fn)(params, r)`` in float64 on the host's CPU: the oracle of every value-error figure."""
+    import jax
+    import numpy as np
+
+    cpu = jax.devices("cpu")[0]
+    with jax.enable_x64(True):
+        as64 = jax.tree_util.tree_map(lambda a: jax.device_put(np.asarray(a, np.float64), cpu), (params, r))
+        return np.asarray(jax.jit(jax.vmap(fn, (None, 0)))(*as64))
+
+
+def compare_kernels(
+    guard: Guard, what: str, dec: Any, hand: Any, params: Any, r: Any, memory: bool, one: Any = None
+) -> None:
+    """Rows: decorated / hand-written (their max rel diff; ``one``'s error against float64), speed, memory."""
     from harness import rel_diff, temp_bytes
 
     thunks = {"decorated": lambda: dec(params, r), "hand": lambda: hand(params, r)}
     rat, times, _ = ratio_row(guard, thunks, "decorated", "hand")
-    diff = rel_diff(dec(params, r), hand(params, r))
+    out = dec(params, r)
+    diff = rel_diff(out, hand(params, r))
     report, n = guard.report, r.shape[0]
+    error = ""
+    if one is not None:  # the values the speed row stands for, against float64 on the CPU (the first 512 walkers)
+        m = min(n, 512)
+        error = f"; against float64 on the CPU: {error_text(out[:m], float64_on_the_cpu(one, params, r[:m]))}"
     report.row(
-        8, f"{what}: decorated / hand-written (max rel diff {diff:.1e})", str(rat), "<= 1.02", rat.median <= 1.02
+        8, f"{what}: decorated / hand-written (max rel diff {diff:.1e}{error})", str(rat), "<= 1.02", rat.median <= 1.02
     )
     report.row(8, f"{what}: walkers per second (decorated)", f"{n / median(times['decorated']):,.0f}")
     if memory:
@@ -231,14 +356,15 @@ def kernel_rows(guard: Guard, mesh: Any, sizes: Sizes) -> None:
         largest = n == sv.pad_n_walkers(max(sizes.ferminet_walkers), mesh.devices.size)
         batches = [None] + ([sizes.ferminet_batch_size] if largest and sizes.ferminet_batch_size else [])
         for batch_size in batches:
-            what = f"FermiNet-style network (Li, folx), per-walker local energy, {n} walkers, batch_size={batch_size}"
+            what = (f"FermiNet-style network (Li, sv.hamiltonian's Laplacian), per-walker local energy, {n} walkers, "
+                    f"batch_size={batch_size}")  # fmt: skip
 
             def run(cfg: Any = cfg, batch_size: int | None = batch_size, what: str = what) -> None:
-                local_energy, params, r = sections.ferminet_workload(cfg)
+                _, params, r = sections.ferminet_workload(cfg)
+                local_energy = library_local_energy()
                 dec = sv.walker_parallel(sv.replicated_args("params")(local_energy), mesh=mesh, batch_size=batch_size)
-                compare_kernels(
-                    guard, what, dec, hand_written(local_energy, mesh, "walker", batch_size), params, r, True
-                )
+                hand = hand_written(local_energy, mesh, "walker", batch_size)
+                compare_kernels(guard, what, dec, hand, params, r, True, one=local_energy)
 
             guard.row(8, what, run)
     if sizes.o2_walkers:
@@ -256,6 +382,102 @@ def kernel_rows(guard: Guard, mesh: Any, sizes: Sizes) -> None:
                 compare_kernels(guard, what, dec, hand, params, r, False)
 
             guard.row(8, what, run_o2)
+
+
+def library_local_energy() -> Any:
+    """The corpus's FermiNet-style Li network's local energy of ONE walker through ``sv.hamiltonian``.
+
+    (The platform's fastest Laplacian, at float32's accuracy on a TPU: what a user of the library runs.)
+    """
+    from models import ferminet, hamiltonian, systems
+
+    import shardvmc as sv
+
+    li = systems.LI
+
+    def local_energy(params: Any, r: Any) -> Any:
+        kinetic = sv.hamiltonian.kinetic_energy(lambda p, x: ferminet.log_psi(p, x, li), params, r)
+        return kinetic + hamiltonian.potential(r, li)
+
+    return local_energy
+
+
+# ----------------------------------------------------------------------------- 11. local energies against float64
+
+
+def li_networks(sizes: Sizes) -> dict[str, tuple[Any, ...]]:
+    """``{name: (log_psi, potential, params, walkers)}``: the templates' and the corpus's Li networks, float32."""
+    import jax
+    import jax.numpy as jnp
+    from harness import examples_on_path
+
+    import shardvmc as sv
+
+    examples_on_path()
+    import network
+    from models import ferminet, hamiltonian, systems
+
+    net = sizes.ferminet_net
+    n = sizes.error_walkers
+    keys = jax.random.split(jax.random.key(1), n)
+    walkers = jax.vmap(lambda k: network.init_walker(k, network.LI, jnp.float32))(keys)
+    sizes_t = (net["hidden_one"], net["hidden_two"], net["layers"], net["determinants"], jnp.float32)
+    template = (
+        lambda p, r: network.log_psi(p, r, network.LI),
+        lambda r: sv.hamiltonian.coulomb(r, network.LI.charges, network.LI.coords),
+        network.init(jax.random.key(10**6), network.LI, *sizes_t),
+        walkers,
+    )
+    corpus = (
+        lambda p, r: ferminet.log_psi(p, r, systems.LI),
+        lambda r: hamiltonian.potential(r, systems.LI),
+        ferminet.init(jax.random.key(0), systems.LI, **net),
+        walkers,
+    )
+    return {"the templates' network (examples/network.py)": template, "the corpus's network (tests/models)": corpus}
+
+
+def error_rows(guard: Guard, sizes: Sizes) -> None:
+    """Local energies in float32 against float64 on the host's CPU: the library's, JAX's defaults, a CPU's."""
+    import folx
+    import jax
+    import numpy as np
+
+    import shardvmc as sv
+
+    for name in li_networks(sizes):
+        what = f"local energy of {name}, Li, initial parameters, {sizes.error_walkers} walkers, against float64"
+
+        def run(name: str = name, what: str = what) -> None:
+            log_psi, potential, params, walkers = li_networks(sizes)[name]
+
+            def plain(p: Any, r: Any) -> Any:  # folx as it comes, at JAX's defaults
+                shape = r.shape
+                out = folx.forward_laplacian(lambda x: log_psi(p, x.reshape(shape)))(r.reshape(-1))
+                return -0.5 * (out.laplacian + (out.jacobian.dense_array**2).sum()) + potential(r)
+
+            device, cpu = jax.devices()[0], jax.devices("cpu")[0]
+
+            def library(dev: Any, p: Any, r: Any) -> Any:  # sv.hamiltonian.local_energy on one device
+                mesh = sv.create_mesh([dev])
+                on = jax.tree_util.tree_map(lambda a: jax.device_put(a, dev), (p, r))
+                return sv.hamiltonian.local_energy(log_psi, potential, mesh=mesh)(*on)
+
+            with jax.enable_x64(True):
+                reference = library(
+                    cpu, *jax.tree_util.tree_map(lambda a: np.asarray(a, np.float64), (params, walkers))
+                )
+            platform = device.platform
+            plain_on = jax.tree_util.tree_map(lambda a: jax.device_put(a, device), (params, walkers))
+            figures = {
+                f"sv.hamiltonian.local_energy, float32 on the {platform}": library(device, params, walkers),
+                f"folx at JAX's defaults, float32 on the {platform}": jax.jit(jax.vmap(plain, (None, 0)))(*plain_on),
+                "sv.hamiltonian.local_energy, float32 on the host's CPU": library(cpu, params, walkers),
+            }
+            for label, e in figures.items():
+                guard.report.row(11, f"{what}: {label}", error_text(e, reference))
+
+        guard.row(11, what, run)
 
 
 # ----------------------------------------------------------------------------- 2. dispatch
@@ -314,6 +536,8 @@ def solver_rows(guard: Guard, mesh: Any, sizes: Sizes) -> None:
     damping, momentum, tol, maxiter = 1e-3, 0.9, 1e-6, 200
     report = guard.report
     for label, n, p, dtype_name in sizes.solvers:
+        if dtype_name == "auto":  # the platform's: float64 where it has it, float32 on a TPU
+            dtype_name = sv.precision_policy(mesh=mesh).dtype.name
         x64 = dtype_name == "float64"
         dtype = jnp.float64 if x64 else jnp.float32
         data: dict[str, Any] = {}
@@ -408,11 +632,12 @@ def neural_rows(guard: Guard, mesh: Any, sizes: Sizes, optimiser: str) -> None:
     base = neural.Config(**neural.QUICK) if sizes.neural_quick else neural.Config()
     report = guard.report
     for n in sizes.neural_walkers:
-        config = dataclasses.replace(base, walkers=n, optimiser=optimiser, x64=True)
-        what = f"neural {config.system} step ({optimiser}, float64), {n} walkers"
+        config = dataclasses.replace(base, walkers=n, optimiser=optimiser)
+        policy = sv.precision_policy(config.dtype, mesh=mesh)
+        what = f"neural {config.system} step ({optimiser}, {policy.dtype.name}), {n} walkers"
 
-        def run(config: Any = config, n: int = n, what: str = what) -> None:
-            with jax.enable_x64(True), sv.use_mesh(mesh):
+        def run(config: Any = config, n: int = n, what: str = what, policy: Any = policy) -> None:
+            with policy.context(), sv.use_mesh(mesh):
                 steps = neural.make_steps(config, mesh)
                 state = neural.initial_state(config, mesh, steps)  # includes the burn-in's moves
                 n_params = int(ravel_pytree(state.params)[0].size)
@@ -453,7 +678,10 @@ def neural_rows(guard: Guard, mesh: Any, sizes: Sizes, optimiser: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
+    if not (args.journal or args.in_process):  # the parent: it never opens the accelerator (one process holds it)
+        return supervise(argv, args)
     here = os.path.dirname(os.path.abspath(__file__))
     # tests/: the model corpus (tests/models) of section 8; harness.neural_example puts examples/ on the path itself.
     sys.path[:0] = [here, os.path.join(os.path.dirname(here), "tests"), os.path.dirname(here)]
@@ -482,7 +710,9 @@ def main(argv: list[str] | None = None) -> int:
     mesh = sv.create_mesh()
     info: dict[str, Any] = machine()
     info["mesh"] = dict(mesh.shape)
-    command = "python benchmarks/gpu.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    visible = [a for a, b in zip(argv, [""] + argv) if not (a.startswith("--journal") or a.startswith("--started-at")
+               or b in ("--journal", "--started-at"))]  # fmt: skip
+    command = "python benchmarks/gpu.py " + " ".join(visible)
     print("shardvmc gpu benchmark:", ", ".join(f"{k}={v}" for k, v in info.items()), flush=True)
     if smoke:
         print("NOTE: smoke run (no accelerator or --smoke): tiny sizes that only check that the script works.")
@@ -500,8 +730,11 @@ def main(argv: list[str] | None = None) -> int:
             with open(args.json, "w") as f:
                 json.dump({"machine": info, "rows": report.rows, "facts": report.facts, "note": note}, f, default=str)
 
-    guard = Guard(report, sizes, lambda note: (print(report.table(), flush=True), write(note)))
+    guard = Guard(report, sizes, lambda note: (print(report.table(), flush=True), write(note)), args.journal,
+                  args.started_at, args.abort_in)  # fmt: skip
     chosen = args.only.split(",")
+    if "errors" in chosen:
+        error_rows(guard, sizes)
     if "kernels" in chosen:
         kernel_rows(guard, mesh, sizes)
     if "dispatch" in chosen:

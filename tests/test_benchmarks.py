@@ -119,7 +119,8 @@ def test_gpu_script_prints_one_table_with_every_ratio(gpu_smoke):
     stdout, data, table = gpu_smoke
     header = "| # | measurement | figure | goal | met |"
     assert "smoke run" in stdout and stdout.count(header) == 1 and table.count(header) == 1
-    assert {row["section"] for row in data["rows"]} == {2, 8, 9, 10}  # dispatch, kernels, solvers, neural step
+    # dispatch, kernels, solvers, neural step, local energies against float64
+    assert {row["section"] for row in data["rows"]} == {2, 8, 9, 10, 11}
     broken = [row for row in data["rows"] if row["figure"].startswith(("failed", "skipped"))]
     assert not broken, (broken, data["facts"].get("errors"))
     ratios = [row for row in data["rows"] if " / " in row["what"]]
@@ -137,6 +138,29 @@ def test_gpu_script_solvers_and_kernels_agree_with_the_hand_written_ones(gpu_smo
     for row in rows:
         if "max rel diff" in row["what"]:
             assert float(row["what"].split("max rel diff ")[1].split(";")[0].rstrip(")")) < 1e-5, row["what"]
+
+
+def test_gpu_script_reports_the_local_energies_errors_against_float64(gpu_smoke):
+    """Section 11 and the kernel rows give each value's error against float64 on the CPU, in hartree."""
+    rows = gpu_smoke[1]["rows"]
+    errors = [row for row in rows if row["section"] == 11]
+    assert len(errors) == 6  # two networks: the library on the platform, folx at JAX's defaults, a CPU in float32
+    for row in errors:
+        median = float(row["figure"].split("median ")[1].split(",")[0])
+        assert 0 <= median < 1e-3, row  # float32 against float64: round-off, not hartrees
+    kernels = [row for row in rows if row["section"] == 8 and "against float64 on the CPU" in row["what"]]
+    assert kernels and all("median" in row["what"] for row in kernels)
+
+
+def test_gpu_script_keeps_the_table_when_a_row_kills_its_process(tmp_path):
+    """A row whose process aborts (as XLA's compiler can) is that row's failure; the other rows are all there."""
+    stdout, data = _run("gpu.py", "--smoke", "--only", "errors,dispatch", "--abort-in", "templates", tmp_path=tmp_path)
+    rows = {row["what"]: row["figure"] for row in data["rows"]}
+    crashed = [what for what in rows if "templates" in what]
+    assert len(crashed) == 1 and rows[crashed[0]].startswith("failed: the process died (signal 6)"), rows
+    assert any("corpus" in what and "median" in figure for what, figure in rows.items())  # after the crash
+    assert any(row["section"] == 2 for row in data["rows"])
+    assert stdout.count("| # | measurement | figure | goal | met |") == 1
 
 
 def test_gpu_script_skips_rows_past_its_budget(tmp_path):
