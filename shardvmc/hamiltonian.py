@@ -2,8 +2,17 @@
 
 ``E_L(r) = -1/2 (lap log psi(r) + grad log psi(r) . grad log psi(r)) + V(r)``, for a
 real ``log|psi|`` or a complex ``log psi`` (then the square is not conjugated and
-``"jvp"``: ``jax.linearize`` of the gradient once, then one Jacobian-vector product per
-coordinate in a ``jax.lax.fori_loop`` (FermiNet's way; least memory).
+``E_L`` is complex). The Laplacian is the fastest on the platform the program is compiled
+for (``laplacian="auto"``): folx's forward Laplacian on CPUs and GPUs, ``"jvp"`` on TPUs
+(``jax.linearize`` of the gradient once, then one Jacobian-vector product per coordinate in
+a ``jax.lax.fori_loop``: FermiNet's way, least memory), where folx's program was 1.4 (with
+:func:`shardvmc.linalg.slogdet`) to 10 times slower (``docs/accelerators.md``); either can
+be asked for (``"folx"``, optionally with sparse Jacobians, ``sparsity_threshold``; ``"jvp"``).
+
+On a TPU the local energy is computed at float32's accuracy: its matrix products at
+``"highest"`` precision and ``exp``, ``log``, ``tanh`` (and kin) to 1-3 ulps instead of the
+TPU's fast approximations; at the TPU's defaults a FermiNet-style network's local energies
+came out hundreds of hartree off.
 
 ``local_energy(log_psi, potential)`` is a walker-parallel kernel over all walkers
 (``batch_size=`` chunks each device's walkers to bound memory); called inside another
