@@ -61,8 +61,8 @@ NEEDS = {"kfac_jax": "kfac_jax", "shardvmc.kfac": "kfac_jax"}
 def _public_modules():
     """(module path, __all__) of every public module whose names the reference must list."""
     out = [("shardvmc", list(shardvmc.__all__))]
-    subs = ("testing", "distributed", "launch", "kfac", "optax", "mcmc", "hamiltonian", "linalg", "driver", "dmc", "loss")
-    for sub in subs:
+    for sub in ("testing", "distributed", "launch", "kfac", "optax", "mcmc", "hamiltonian", "linalg", "driver", "dmc",
+                "loss"):  # fmt: skip
         try:
             module = importlib.import_module(f"shardvmc.{sub}")
         except ImportError:  # its optional dependency is missing, or cannot run on this JAX (shardvmc.kfac says which)
