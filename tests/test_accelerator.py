@@ -1,7 +1,8 @@
 """The accelerator set: what must hold on whatever backend runs the tests (``pytest -m accelerator``).
 
 Every test here uses JAX's default devices, so it runs on a TPU or GPU when one is present
-(``JAX_PLATFORMS=tpu,cpu python -m pytest -m accelerator -n 0``: one process holds the chip) and
+(``JAX_PLATFORMS=tpu,cpu python -m pytest -m accelerator -n 0``: one process holds the chip; without
+pytest-xdist, ``-o addopts=""`` instead of ``-n 0``) and
 on the fake CPU devices in CI. Numbers are checked against an oracle on the host's CPU:
 local energies against float64, statistics against the same estimator on the CPU, the
 small-matrix determinant against ``jnp.linalg`` in float64, kernels against ``jax.vmap``.
