@@ -445,11 +445,11 @@ def error_rows(guard: Guard, sizes: Sizes) -> None:
 
     import shardvmc as sv
 
-    for name in li_networks(sizes):
+    for name, network in li_networks(sizes).items():
         what = f"local energy of {name}, Li, initial parameters, {sizes.error_walkers} walkers, against float64"
 
-        def run(name: str = name, what: str = what) -> None:
-            log_psi, potential, params, walkers = li_networks(sizes)[name]
+        def run(network: tuple[Any, ...] = network, what: str = what) -> None:
+            log_psi, potential, params, walkers = network
 
             def plain(p: Any, r: Any) -> Any:  # folx as it comes, at JAX's defaults
                 shape = r.shape
