@@ -27,13 +27,21 @@ its own interpreter (``--deepqmc-python``, default ``$DEEPQMC_PYTHON``, else thi
 a venv with DeepQMC 1.2.0 on the JAX and kfac-jax it was released for::
 
     python3.11 -m venv ~/venvs/deepqmc-1.2
-    ~/venvs/deepqmc-1.2/bin/pip install "deepqmc==1.2.0" "kfac-jax==0.0.6" "jax<0.5" "jaxlib<0.5"
+    printf 'jax==0.4.30\njaxlib==0.4.30\n' > /tmp/c.txt   # kfac-jax 0.0.6 fails on jax 0.4.38, what "jax<0.5" gives
+    ~/venvs/deepqmc-1.2/bin/pip install -c /tmp/c.txt "deepqmc==1.2.0" "kfac-jax==0.0.6" "dm-haiku==0.0.12"
 
 Both processes see the same number of fake CPU devices on the same cores; while one runs
-a block of steps the other waits on a pipe. Each round runs ``--block`` steps of one side,
-then of the other (the order reversed every other round, after two warm-up blocks); the
-figure is the median over rounds of the per-round ratio shardvmc / DeepQMC with its
-quartiles. Each side times its own blocks (``time.perf_counter`` around the steps, the
+a block of steps the other waits on a pipe. Timing follows the peer protocol of
+``harness.py`` (``harness.measure``, ``harness.independent_runs``): each round runs ``calls``
+blocks of ``--block`` steps of one side, then of the other (the order reversed every other
+round, after two warm-up blocks); ``calls`` doubles while the per-round ratio shardvmc /
+DeepQMC has a quartile more than ``--spread`` (0.1) from its median, checked every
+``--rounds`` rounds, up to ``--max-rounds``; the pieces the same way (``--piece-reps``,
+``--piece-max-rounds``). The one-minute load average and the CPU that other processes took
+are recorded at every round. ``--runs`` (3) independent runs, each a fresh process pair, a
+run during which other processes took more than ``--max-load`` cores repeated (at most
+``--extra-runs`` times); the figure is the median of the runs' medians, printed with each
+run's median. Each side times its own blocks (``time.perf_counter`` around the steps, the
 result waited for), so the pipe costs nothing. Without a DeepQMC that trains, the table
 says why (the exact error) and compares the pieces that run.
 
@@ -48,7 +56,7 @@ walker count 8 does not divide.
 Usage (from the repository root, after ``pip install -e ".[bench]"``)::
 
     DEEPQMC_PYTHON=~/venvs/deepqmc-1.2/bin/python python benchmarks/deepqmc.py   # 1 and 8 devices
-    python benchmarks/deepqmc.py --devices 8 --rounds 20 --block 2 --walkers 128 --trajectory ""
+    DEEPQMC_PYTHON=... python benchmarks/deepqmc.py --devices 8 --trajectory ""   # the step and pieces, 3 runs
     python benchmarks/deepqmc.py --smoke     # shardvmc's side only, tiny, a stand-in network: no DeepQMC needed
     DEEPQMC_PYTHON=... python benchmarks/deepqmc.py --train 300 --trajectory "" --plot lih.png  # time to accuracy
     DEEPQMC_PYTHON=... python benchmarks/deepqmc.py --train 300 --trajectory "" --seed 1  # another seed
@@ -98,13 +106,32 @@ BURN_IN = 10  # sampler calls at the initial parameters before training, on both
 SEED = 0
 
 
+def load_harness() -> None:
+    """``benchmarks/harness.py`` as the module ``harness`` (this folder is off ``sys.path``, see above): it imports
+    jax and shardvmc, so not in DeepQMC's interpreter; it starts no backend."""
+    if "harness" not in sys.modules:
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location("harness", HERE.parent / "harness.py")
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["harness"] = module
+        spec.loader.exec_module(module)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--walkers", type=int, default=WALKERS, help="walkers (DeepQMC's electron_batch_size)")
-    parser.add_argument("--rounds", type=int, default=10, help="timed rounds")
-    parser.add_argument("--block", type=int, default=1, help="optimisation steps per side per round")
+    if "--worker" not in argv:  # DeepQMC's interpreter cannot import harness (it imports shardvmc)
+        load_harness()
+        from harness import add_protocol_args
+
+        add_protocol_args(parser, batch=10)  # --rounds, --max-rounds, --spread, --runs, --max-load, ...
+    parser.add_argument("--block", type=int, default=1, help="optimisation steps per side per call")
     parser.add_argument("--devices", default="1,8", help="fake CPU device counts, one process pair each")
-    parser.add_argument("--piece-reps", type=int, default=5, help="interleaved repetitions of each piece")
+    parser.add_argument("--piece-reps", type=int, default=10, help="rounds between checks of each piece's spread")
+    parser.add_argument("--piece-max-rounds", type=int, default=40, help="timed rounds of each piece at most")
     parser.add_argument("--trajectory", default="1,3,8", help="device counts of the trajectory check ('' skips)")
     parser.add_argument("--trajectory-walkers", type=int, default=60, help="walkers of that check (8 must not divide)")
     parser.add_argument("--trajectory-steps", type=int, default=4, help="optimisation steps of that check")
@@ -120,7 +147,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--trajectory-child", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.smoke:
-        args.walkers, args.rounds, args.block, args.piece_reps = 16, 2, 1, 2
+        args.walkers, args.rounds, args.max_rounds, args.block, args.runs, args.extra_runs = 16, 2, 2, 1, 1, 0
+        args.piece_reps, args.piece_max_rounds = 2, 2
         args.devices, args.trajectory, args.trajectory_walkers, args.trajectory_steps = "8", "1,3", 13, 2
     return args
 
@@ -130,6 +158,8 @@ def fake_devices(n: int) -> None:
     flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", ""))
     os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
     os.environ["JAX_PLATFORMS"] = "cpu"
+    if "jax" in sys.modules:  # imported already (by harness): its platforms were read at import
+        sys.modules["jax"].config.update("jax_platforms", "cpu")
 
 
 def peak_rss_mib() -> float:
@@ -148,7 +178,13 @@ def fmt_energy(e: dict[str, float]) -> str:
     return f"{e['mean']:.4f} ± {e['error']:.4f}" if finite else f"{e['mean']:.4f} ({e['steps']} steps: no error bar)"
 
 
-def fmt_ratio(r: dict[str, float] | None) -> str:
+def fmt_ratio(r: dict[str, Any] | None) -> str:
+    """One run's ratio, or the median of several runs' (with each run's median)."""
+    if r and "runs" in r:
+        load_harness()
+        from harness import fmt_runs
+
+        return fmt_runs(r)
     return "-" if not r else f"{r['median']:.3f} [{r['q25']:.3f}, {r['q75']:.3f}]"
 
 
@@ -244,10 +280,12 @@ def worker(args: argparse.Namespace) -> int:
         if request["cmd"] == "run":
             assert run_block is not None
             reply({"seconds": run_block(request["steps"])})
-        elif request["cmd"] == "piece":
+        elif request["cmd"] == "piece":  # `number` calls in a row, the last waited for
             fn = pieces[request["name"]]
-            start = time.perf_counter()
-            jax.block_until_ready(fn())
+            start, out = time.perf_counter(), None
+            for _ in range(request.get("number", 1)):
+                out = fn()
+            jax.block_until_ready(out)
             reply({"seconds": time.perf_counter() - start})
         else:
             reply({"energies": energies, "peak_rss_mib": peak_rss_mib()})
@@ -469,12 +507,24 @@ def energy_stats(series: list[float]) -> dict[str, float]:
 
 
 def child(args: argparse.Namespace) -> int:
-    """Both sides on ``args.child`` fake devices: first step, interleaved rounds, the pieces; one JSON row."""
+    """Both sides on ``args.child`` fake devices: first step, interleaved rounds, the pieces; one JSON row.
+
+    The step and each piece are measured by ``harness.measure`` (the peer protocol: rounds lengthened until the
+    ratio's quartiles lie within ``--spread`` of its median, the load recorded at every round)."""
     fake_devices(args.child)
+    import dataclasses
+
     import jax
     import numpy as np
 
-    row: dict[str, Any] = {"devices": args.child, "walkers": args.walkers, "rounds": args.rounds, "block": args.block}
+    load_harness()
+    from harness import LoadMeter, measure, protocol_of, run_load
+
+    protocol = protocol_of(args)
+    pieces_protocol = dataclasses.replace(protocol, batch=args.piece_reps,
+                                          max_rounds=max(args.piece_reps, args.piece_max_rounds))  # fmt: skip
+    meter = LoadMeter()
+    row: dict[str, Any] = {"devices": args.child, "walkers": args.walkers, "block": args.block}
     sv_job = shardvmc_job(args.walkers, args.smoke)
     proc = None
     if not args.smoke:
@@ -491,35 +541,49 @@ def child(args: argparse.Namespace) -> int:
         jax.block_until_ready(sv_job["run"](1))
         row["shardvmc"] = {"first_step_s": time.perf_counter() - start}
         trains = proc is not None and not row["deepqmc"].get("error")
-        sides = {"shardvmc": lambda: timed(lambda: sv_job["run"](args.block))}
-        if trains:
-            sides["deepqmc"] = lambda: ask(proc, cmd="run", steps=args.block)["seconds"]
         if args.train:  # time to accuracy: one step of each side in turn, every step timed, no pieces
+            sides = {"shardvmc": lambda: timed(lambda: sv_job["run"](args.block))}
+            if trains:
+                sides["deepqmc"] = lambda: ask(proc, cmd="run", steps=args.block)["seconds"]
             assert proc is None or trains, row["deepqmc"].get("error")
             args.block, args.piece_reps = 1, 0
             first = {"shardvmc": row["shardvmc"]["first_step_s"], "deepqmc": (row.get("deepqmc") or {}).get(
                 "first_step_s", 0.0)}  # fmt: skip
             seconds = alternate(sides, args.train - 1, warm_up=0)
             row["train"] = {name: [first[name], *t] for name, t in seconds.items()}
-        times = alternate(sides, args.rounds) if not args.train else {k: v[1:] for k, v in row["train"].items()}
-        row["shardvmc"]["step_ms"] = 1e3 * statistics.median(times["shardvmc"]) / args.block
-        if trains:
-            row["deepqmc"]["step_ms"] = 1e3 * statistics.median(times["deepqmc"]) / args.block
-            row["ratio"] = quartiles([a / b for a, b in zip(times["shardvmc"], times["deepqmc"])])
-        # the pieces, interleaved the same way (one call per side per repetition, after one call each)
+            times = {k: v[1:] for k, v in row["train"].items()}
+            row["shardvmc"]["step_ms"] = 1e3 * statistics.median(times["shardvmc"]) / args.block
+            if trains:
+                row["deepqmc"]["step_ms"] = 1e3 * statistics.median(times["deepqmc"]) / args.block
+                row["ratio"] = quartiles([a / b for a, b in zip(times["shardvmc"], times["deepqmc"])])
+        else:  # the step: blocks of --block steps, `calls` blocks of each side in a row per round
+            steps: dict[str, Any] = {"shardvmc": lambda n: timed(lambda: sv_job["run"](args.block * n))}
+            if trains:
+                steps["deepqmc"] = lambda n: ask(proc, cmd="run", steps=args.block * n)["seconds"]
+            step = measure(steps, protocol, meter)
+            row["step"] = step
+            row["shardvmc"]["step_ms"] = 1e3 * step["seconds"]["shardvmc"] / args.block
+            if trains:
+                row["deepqmc"]["step_ms"] = 1e3 * step["seconds"]["deepqmc"] / args.block
+                row["ratio"] = step["ratio"]
+        # the pieces, measured the same way (`calls` calls of each side in a row per round)
         row["pieces"] = {}
+        measured = [row["step"]] if "step" in row else []
         for name, fn in sv_job["pieces"].items() if not args.train else ():
             theirs = PARTNER.get(name, name) if proc is not None else None  # DeepQMC's piece that does the same
             theirs = theirs if proc is not None and theirs in row["deepqmc"]["pieces"] else None
-            piece = {"shardvmc": lambda fn=fn: timed(fn)}
+            piece: dict[str, Any] = {"shardvmc": lambda n, fn=fn: timed_calls(fn, n)}
             if theirs:
-                piece["deepqmc"] = lambda name=theirs: ask(proc, cmd="piece", name=name)["seconds"]
-            t = alternate(piece, args.piece_reps)
-            entry = {"shardvmc_ms": 1e3 * statistics.median(t["shardvmc"])}
+                piece["deepqmc"] = lambda n, name=theirs: ask(proc, cmd="piece", name=name, number=n)["seconds"]
+            t = measure(piece, pieces_protocol, meter)
+            measured.append(t)
+            entry: dict[str, Any] = {"shardvmc_ms": 1e3 * t["seconds"]["shardvmc"], "calls": t["calls"],
+                                     "rounds": t["rounds_at_length"]}  # fmt: skip
             if theirs:
-                entry["deepqmc_ms"] = 1e3 * statistics.median(t["deepqmc"])
-                entry["ratio"] = quartiles([a / b for a, b in zip(t["shardvmc"], t["deepqmc"])])
+                entry["deepqmc_ms"] = 1e3 * t["seconds"]["deepqmc"]
+                entry["ratio"] = t["ratio"]
             row["pieces"][name] = entry
+        row["load"] = run_load(measured, protocol.max_load)
         row["shardvmc"].update(energy=energy_stats(sv_job["energies"]), peak_rss_mib=peak_rss_mib())
         if args.train:
             row["shardvmc"]["energies"] = sv_job["energies"]
@@ -550,6 +614,17 @@ def timed(fn: Any) -> float:
     return time.perf_counter() - start
 
 
+def timed_calls(fn: Any, number: int) -> float:
+    """Seconds of ``number`` calls of ``fn`` in a row, the last one's result waited for."""
+    import jax
+
+    start, out = time.perf_counter(), None
+    for _ in range(number):
+        out = fn()
+    jax.block_until_ready(out)
+    return time.perf_counter() - start
+
+
 def alternate(sides: dict[str, Any], rounds: int, warm_up: int = 2) -> dict[str, list[float]]:
     """Seconds of each side per round, the sides in turn (order reversed every other round), after warm-ups."""
     names = list(sides)
@@ -577,8 +652,12 @@ def trajectory_child(args: argparse.Namespace) -> int:
 
 
 def run_child(flag: str, devices: int, args: argparse.Namespace, *extra: str) -> dict[str, Any]:
-    cmd = [sys.executable, str(HERE), flag, str(devices), "--walkers", str(args.walkers), "--rounds", str(args.rounds)]
+    load_harness()
+    from harness import protocol_argv
+
+    cmd = [sys.executable, str(HERE), flag, str(devices), "--walkers", str(args.walkers), *protocol_argv(args)]
     cmd += ["--block", str(args.block), "--piece-reps", str(args.piece_reps), "--deepqmc-python", args.deepqmc_python]
+    cmd += ["--piece-max-rounds", str(args.piece_max_rounds)]
     cmd += ["--trajectory-walkers", str(args.trajectory_walkers), "--trajectory-steps", str(args.trajectory_steps)]
     cmd += ["--train", str(args.train), "--seed", str(args.seed)]
     cmd += [*extra, *(["--smoke"] if args.smoke else [])]
@@ -587,6 +666,50 @@ def run_child(flag: str, devices: int, args: argparse.Namespace, *extra: str) ->
     if out.returncode or not rows:
         raise RuntimeError(f"{' '.join(cmd)} failed (exit {out.returncode}):\n{out.stdout[-3000:]}")
     return rows[-1]
+
+
+def device_count(devices: int, args: argparse.Namespace) -> dict[str, Any]:
+    """One device count. With ``--train`` one run; else ``--runs`` independent runs (a fresh process pair each, a
+    run taken above ``--max-load`` repeated): the row of the first counted run, its step and piece ratios and
+    times replaced by the medians over the counted runs, and every run taken under ``"runs"``."""
+    if args.train:
+        return run_child("--child", devices, args)
+    load_harness()
+    from harness import independent_runs, median_of_runs, protocol_of
+
+    log = lambda message: print(f"# {devices} devices, {message}", flush=True)  # noqa: E731
+
+    def run_once(i: int) -> dict[str, Any]:
+        run = run_child("--child", devices, args)
+        pieces = "; ".join(f"{name} {fmt_ratio(p.get('ratio'))}" for name, p in run["pieces"].items())
+        log(f"run {i + 1}, pieces: {pieces}")
+        return run
+
+    result = independent_runs(run_once, protocol_of(args), log)
+    counted = [result["runs"][i] for i in result["counted"]]
+    row = {key: value for key, value in counted[0].items() if key != "step"}
+    row["runs"] = []
+    for i, run in enumerate(result["runs"]):
+        rounds, sides = run["step"]["rounds"], ("shardvmc", "deepqmc")
+        row["runs"].append({
+            "counted": i in result["counted"], "load": run["load"], "ratio": run.get("ratio"),
+            "calls": run["step"]["calls"], "rounds": len(rounds), "utc": [rounds[0]["utc"], rounds[-1]["utc"]],
+            "step_ms": {side: run[side]["step_ms"] for side in sides if run.get(side, {}).get("step_ms")},
+            "pieces": {name: piece.get("ratio") for name, piece in run["pieces"].items()}, "step": run["step"],
+        })  # fmt: skip
+    row["above_load"] = result["above_load"]
+    if (combined := median_of_runs([run.get("ratio") for run in counted])) is not None:
+        row["ratio"] = combined
+    for side in ("shardvmc", "deepqmc"):
+        if "step_ms" in row.get(side, {}):
+            row[side]["step_ms"] = statistics.median(run[side]["step_ms"] for run in counted)
+    for name, piece in row["pieces"].items():
+        for key in ("shardvmc_ms", "deepqmc_ms"):
+            if key in piece:
+                piece[key] = statistics.median(run["pieces"][name][key] for run in counted)
+        if (combined := median_of_runs([run["pieces"][name].get("ratio") for run in counted])) is not None:
+            piece["ratio"] = combined
+    return row
 
 
 def trajectories(args: argparse.Namespace) -> dict[str, Any]:
@@ -623,7 +746,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.trajectory_child:
         return trajectory_child(args)
     started = time.perf_counter()
-    rows = [run_child("--child", int(n), args) for n in args.devices.split(",")]
+    rows = [device_count(int(n), args) for n in args.devices.split(",")]
     traj = trajectories(args) if args.trajectory else None
     lines = user_lines(HERE)
     report(rows, traj, lines, args)
@@ -655,6 +778,14 @@ def report(rows: list[dict], traj: dict | None, lines: dict[str, int], args: arg
         print(f"| {row['devices']} | {fmt_ratio(row.get('ratio'))} | {sv_['step_ms']:.0f} / {step_dq} | "
               f"{sv_['first_step_s']:.1f} / {first_dq} | {e_sv} | {e_dq} | {sv_['peak_rss_mib']:.0f} / "
               f"{dq.get('peak_rss_mib', 0):.0f} |")  # fmt: skip
+    for row in rows:  # each run of the protocol
+        for i, run in enumerate(row.get("runs", ())):
+            load, what = run["load"], "counted" if run["counted"] else "not counted"
+            above = {True: ", ABOVE the load limit", False: "", None: ", load of others unknown"}[load["above"]]
+            print(f"# {row['devices']} devices, run {i + 1} ({what}{above}), {run['utc'][0]}-{run['utc'][1]} UTC: "
+                  f"step {fmt_ratio(run['ratio'])}, {run['rounds']} rounds, {run['calls']} call(s) of "
+                  f"{args.block} step(s) per side per round; load average {load['load'][0]}-{load['load'][1]}, "
+                  f"other processes {load['others']} cores (at most {load['others_max']})")  # fmt: skip
     print()
     print("| devices | piece | shardvmc / DeepQMC | ms sv / dq |")
     print("|---|---|---|---|")

@@ -291,3 +291,123 @@ def test_seed_sweep_of_the_helium_example_converges_on_every_seed(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert all(-2.9037 - 0.01 < r["energy"] <= -2.885 for r in rows)
     assert len({r["energy"] for r in rows}) == 3  # three seeds, three different runs
+
+
+# The protocol of the peer ratios (benchmarks/harness.py): its rules on made-up times and loads, no timing.
+
+
+@pytest.fixture(scope="module")
+def harness():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import harness  # pyright: ignore[reportMissingImports]  # benchmarks/ on the path; starts no backend
+
+        yield harness
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+
+
+def _idle_meter(harness, others=0.0, load=0.3):
+    """A LoadMeter whose clock advances 1 s a reading, while other processes take ``others`` cores."""
+    state = {"t": 0.0, "busy": 0, "own": 0}
+
+    def clock():
+        state["t"] += 1.0
+        return state["t"]
+
+    def read():
+        state["own"] += 100
+        state["busy"] += 100 + round(100 * others)
+        return state["busy"], state["own"]
+
+    return harness.LoadMeter(read=read, clock=clock, loadavg=lambda: (load, 0.0, 0.0), ticks_per_second=100)
+
+
+def _sides(noise):
+    """Two sides whose per-round ratio is 0.5 + noise[k] / calls (k counting rounds): longer rounds, less noise."""
+    k = {"a": 0}
+
+    def a(calls):
+        k["a"] += 1
+        return calls * (0.5 + noise[k["a"] % len(noise)] / calls)
+
+    return {"a": a, "b": lambda calls: float(calls)}
+
+
+def test_peer_protocol_lengthens_the_rounds_until_the_quartiles_settle(harness):
+    p = harness.Protocol(batch=10, max_rounds=60, spread=0.1, max_calls=16)
+    m = harness.measure(_sides([-0.3, 0.3, -0.25, 0.25, 0.0]), p, _idle_meter(harness), warm_up=0)
+    assert m["calls"] == 4 and m["ratio"]["settled"]  # 1 call: +-0.25, 2: +-0.125, 4: +-0.06
+    assert [r["calls"] for r in m["rounds"]] == [1] * 10 + [2] * 10 + [4] * 10
+    assert m["ratio"]["reps"] == m["rounds_at_length"] == 10 and abs(m["ratio"]["median"] - 0.5) < 0.02
+    assert m["ratio"]["q75"] - m["ratio"]["median"] <= 0.1 and m["ratio"]["median"] - m["ratio"]["q25"] <= 0.1
+    assert all(r["load"] == 0.3 and r["others"] == 0.0 for r in m["rounds"]) and m["above"] is False
+
+
+def test_peer_protocol_stops_unsettled_at_its_round_cap(harness):
+    p = harness.Protocol(batch=10, max_rounds=40, spread=0.1, max_calls=2)
+    m = harness.measure(_sides([-0.9, 0.9, -0.8, 0.8]), p, _idle_meter(harness), warm_up=0)
+    assert len(m["rounds"]) == 40 and m["calls"] == 2 and m["rounds_at_length"] == 30  # 10 at 1 call, 30 at 2
+    assert not m["ratio"]["settled"]
+
+
+@pytest.mark.parametrize(
+    ("ratio", "at_length", "total", "calls", "expected"),
+    [
+        ((0.50, 0.45, 0.58), 10, 10, 1, "done"),
+        ((0.50, 0.35, 0.58), 10, 10, 1, "longer"),
+        ((0.50, 0.35, 0.58), 10, 30, 16, "more"),  # at max_calls: more rounds of that length
+        ((0.50, 0.45, 0.65), 10, 60, 4, "cap"),  # the next batch would pass max_rounds
+    ],
+)
+def test_peer_protocol_next_step(harness, ratio, at_length, total, calls, expected):
+    r = harness.Ratio(ratio[0], ratio[1], ratio[2], at_length)
+    assert harness.next_step(r, at_length, total, calls, harness.Protocol(batch=10, max_rounds=60)) == expected
+
+
+def test_load_meter_counts_the_cpu_of_other_processes_only(harness):
+    # /proc/<pid>/stat of this process (10), its worker (11, whose name holds ") (" and spaces) and a stranger (12):
+    # fields after the name: state, ppid, ..., utime (14th field), stime, cutime, cstime
+    def stat(pid, name, ppid, ticks):
+        return f"{pid} ({name}) S {ppid} 0 0 0 0 0 0 0 0 0 {ticks} 0 0 0 20 0 1 0"
+
+    stats = {10: stat(10, "python", 1, 50), 11: stat(11, "py ) (worker", 10, 70), 12: stat(12, "other", 1, 900)}
+    assert harness.tree_ticks(stats, 10) == 120 and harness.tree_ticks(stats, 12) == 900
+    assert harness.busy_ticks("cpu  10 1 5 1000 7 2 3 4 0 0\ncpu0 ...") == 10 + 1 + 5 + 2 + 3 + 4  # idle, iowait out
+    readings = iter([(0, 0), (250, 150), (450, 350)])  # 1 s apart: others took 1 core, then none
+    times = iter([0.0, 1.0, 2.0])
+    meter = harness.LoadMeter(read=lambda: next(readings), clock=lambda: next(times), loadavg=lambda: (1.7, 0, 0),
+                              ticks_per_second=100)  # fmt: skip
+    first, second = meter.reading(), meter.reading()
+    assert first == {"load": 1.7, "others": 1.0, "span": 1.0} and second["others"] == 0.0
+    # the run's figure weighs each round by its span; above max_load (0.5 cores) it is marked
+    summary = harness.load_summary([{**first, "span": 3.0}, second], max_load=0.5)
+    assert summary["others"] == 0.75 and summary["others_max"] == 1.0 and summary["above"] is True
+    assert summary["load"] == [1.7, 1.7]
+    unknown = harness.LoadMeter(read=lambda: None, loadavg=lambda: (0.2, 0, 0)).reading()
+    assert unknown["others"] is None and harness.load_summary([unknown], 0.5)["above"] is None
+
+
+def _run_record(median, above):
+    ratio = {"median": median, "q25": median - 0.05, "q75": median + 0.05, "settled": True}
+    return {"ratio": ratio, "load": {"above": above, "load": [0.5, 1.2], "others": 0.9 if above else 0.1}}
+
+
+def test_independent_runs_repeat_a_run_taken_above_the_load_and_report_the_median_of_medians(harness):
+    p = harness.Protocol(runs=3, extra_runs=3)
+    records = iter([_run_record(0.9, True), _run_record(0.52, False), _run_record(0.8, True),
+                    _run_record(0.55, False), _run_record(0.50, False)])  # fmt: skip
+    logged = []
+    result = harness.independent_runs(lambda i: next(records), p, logged.append)
+    assert result["counted"] == [1, 3, 4] and len(result["runs"]) == 5 and result["above_load"] == 0
+    assert sum("repeated" in line for line in logged) == 2
+    combined = harness.median_of_runs([result["runs"][i]["ratio"] for i in result["counted"]])
+    assert combined["median"] == 0.52 and combined["runs"] == [0.52, 0.55, 0.5] and combined["settled"] == 3
+    assert combined["q25"] == pytest.approx(0.47) and combined["q75"] == pytest.approx(0.57)
+    assert harness.fmt_runs(combined).startswith("0.520 [0.470, 0.570] (runs 0.520, 0.550, 0.500")
+
+
+def test_independent_runs_say_when_every_run_was_above_the_load(harness):
+    p = harness.Protocol(runs=3, extra_runs=2)
+    result = harness.independent_runs(lambda i: _run_record(0.6 + i / 100, True), p, lambda line: None)
+    assert len(result["runs"]) == 5 and result["counted"] == [0, 1, 2] and result["above_load"] == 3
