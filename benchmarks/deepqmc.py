@@ -37,13 +37,14 @@ blocks of ``--block`` steps of one side, then of the other (the order reversed e
 round, after two warm-up blocks); ``calls`` doubles while the per-round ratio shardvmc /
 DeepQMC has a quartile more than ``--spread`` (0.1) from its median, checked every
 ``--rounds`` rounds, up to ``--max-rounds``; the pieces the same way (``--piece-reps``,
-``--piece-max-rounds``). The one-minute load average and the CPU that other processes took
-are recorded at every round. ``--runs`` (3) independent runs, each a fresh process pair, a
-run during which other processes took more than ``--max-load`` cores repeated (at most
-``--extra-runs`` times); the figure is the median of the runs' medians, printed with each
-run's median. Each side times its own blocks (``time.perf_counter`` around the steps, the
-result waited for), so the pipe costs nothing. Without a DeepQMC that trains, the table
-says why (the exact error) and compares the pieces that run.
+``--piece-max-rounds``; each of a piece's calls waited for). The one-minute load average
+and the CPU that other processes took are recorded at every round. ``--runs`` (3)
+independent runs, each a fresh process pair, a run during which other processes took more
+than ``--max-load`` cores repeated (at most ``--extra-runs`` times); the figure is the
+median of the runs' medians, printed with each run's median. Each side times its own
+blocks (``time.perf_counter`` around the steps, the result waited for), so the pipe costs
+nothing. Without a DeepQMC that trains, the table says why (the exact error) and compares
+the pieces that run.
 
 Also printed: the first step (compilation included), the energy of each side over the
 second half of its steps (``sv.statistics`` of the per-step means), the peak resident
@@ -280,12 +281,11 @@ def worker(args: argparse.Namespace) -> int:
         if request["cmd"] == "run":
             assert run_block is not None
             reply({"seconds": run_block(request["steps"])})
-        elif request["cmd"] == "piece":  # `number` calls in a row, the last waited for
+        elif request["cmd"] == "piece":  # `number` calls, each waited for (calls of the same inputs would overlap)
             fn = pieces[request["name"]]
-            start, out = time.perf_counter(), None
+            start = time.perf_counter()
             for _ in range(request.get("number", 1)):
-                out = fn()
-            jax.block_until_ready(out)
+                jax.block_until_ready(fn())
             reply({"seconds": time.perf_counter() - start})
         else:
             reply({"energies": energies, "peak_rss_mib": peak_rss_mib()})
@@ -566,7 +566,7 @@ def child(args: argparse.Namespace) -> int:
             if trains:
                 row["deepqmc"]["step_ms"] = 1e3 * step["seconds"]["deepqmc"] / args.block
                 row["ratio"] = step["ratio"]
-        # the pieces, measured the same way (`calls` calls of each side in a row per round)
+        # the pieces, measured the same way (`calls` calls of each side per round, each waited for)
         row["pieces"] = {}
         measured = [row["step"]] if "step" in row else []
         for name, fn in sv_job["pieces"].items() if not args.train else ():
@@ -615,13 +615,13 @@ def timed(fn: Any) -> float:
 
 
 def timed_calls(fn: Any, number: int) -> float:
-    """Seconds of ``number`` calls of ``fn`` in a row, the last one's result waited for."""
+    """Seconds of ``number`` calls of ``fn``, each waited for: a piece's calls take the same inputs, and calls in
+    flight together would overlap on the fake devices' threads (a throughput, not a piece's time)."""
     import jax
 
-    start, out = time.perf_counter(), None
+    start = time.perf_counter()
     for _ in range(number):
-        out = fn()
-    jax.block_until_ready(out)
+        jax.block_until_ready(fn())
     return time.perf_counter() - start
 
 
