@@ -119,8 +119,8 @@ def test_gpu_script_prints_one_table_with_every_ratio(gpu_smoke):
     stdout, data, table = gpu_smoke
     header = "| # | measurement | figure | goal | met |"
     assert "smoke run" in stdout and stdout.count(header) == 1 and table.count(header) == 1
-    # dispatch, kernels, solvers, neural step, local energies against float64
-    assert {row["section"] for row in data["rows"]} == {2, 8, 9, 10, 11}
+    # dispatch, kernels, solvers, neural step, local energies against float64 (initial and trained parameters)
+    assert {row["section"] for row in data["rows"]} == {2, 8, 9, 10, 11, 12}
     broken = [row for row in data["rows"] if row["figure"].startswith(("failed", "skipped"))]
     assert not broken, (broken, data["facts"].get("errors"))
     ratios = [row for row in data["rows"] if " / " in row["what"]]
@@ -150,6 +150,17 @@ def test_gpu_script_reports_the_local_energies_errors_against_float64(gpu_smoke)
         assert 0 <= median < 1e-3, row  # float32 against float64: round-off, not hartrees
     kernels = [row for row in rows if row["section"] == 8 and "against float64 on the CPU" in row["what"]]
     assert kernels and all("median" in row["what"] for row in kernels)
+
+
+def test_gpu_script_reports_the_evaluations_error_at_trained_parameters(gpu_smoke):
+    """Section 12: both networks after training, float32 (the platform's, the host CPU's) against float64."""
+    rows = [row for row in gpu_smoke[1]["rows"] if row["section"] == 12]
+    assert len(rows) == 4 and {"templates'" in row["what"] for row in rows} == {True, False}
+    for row in rows:
+        gap = float(row["figure"].split("mean energy ")[1].split(" Ha")[0])
+        mean = float(row["figure"].split("float64's (")[1].split(" ")[0])
+        assert abs(gap) < 1e-4 and row["met"] is True, row
+        assert -8.0 < mean < -2.0, row  # trained Li: between the initial guess and the exact -7.478
 
 
 def test_gpu_script_keeps_the_table_when_a_row_kills_its_process(tmp_path):
