@@ -238,7 +238,20 @@ def local_energy(
     def energy(params: Replicated[Any], r: PerWalker[Any]) -> PerWalker[jax.Array]:
         x = float_positions(r.r if isinstance(r, Walker) else r)
         e = kinetic_energy(log_psi, params, x, laplacian=laplacian, sparsity_threshold=sparsity_threshold)
-        return e if potential is None else e + accurate(potential)(x)
+        if potential is None:
+            return e
+        shape = jax.eval_shape(potential, x).shape
+        if shape != ():  # (broadcast against the kinetic energy, it would raise a bare shape error or broadcast)
+            raise CallError(
+                message(
+                    "shardvmc.hamiltonian.local_energy",
+                    "potential(r) must return one number for one walker.",
+                    got=f"an array of shape {shape} for a walker's positions of shape {x.shape}",
+                    expected="shape (): the walker's potential energy",
+                    fix="sum the per-particle terms (e.g. jnp.sum(...)), or build it on sv.hamiltonian.coulomb",
+                )
+            )
+        return e + accurate(potential)(x)
 
     energy.__qualname__ = "local_energy"
     return walker_parallel(mesh=mesh, axis_name=axis_name, batch_size=batch_size)(energy)

@@ -173,3 +173,15 @@ def test_bad_arguments_are_call_errors():
         coulomb(jnp.ones((2, 3)), charges=[1.0])
     with pytest.raises(sv.CallError, match="charges \\[2\\], coords \\[1, 3\\]"):
         coulomb(jnp.ones((2, 3)), charges=[1.0, 2.0], coords=[[0.0, 0.0, 0.0]])
+
+
+def test_a_potential_of_one_number_per_particle_is_a_call_error(walkers):
+    """One number per electron (a missing sum) would broadcast into the kinetic energy: refused, naming the shapes."""
+    per_electron = lambda r: -1.0 / jnp.linalg.norm(r, axis=-1)  # noqa: E731
+    params, r = _params(), walkers.astype(jnp.float32)
+    energy = local_energy(network, per_electron, mesh=_mesh(1))
+    with pytest.raises(sv.CallError, match=r"potential\(r\) must return one number") as err:
+        energy(params, r)
+    assert f"shape ({r.shape[1]},) for a walker's positions of shape {r.shape[1:]}" in str(err.value)
+    total = local_energy(network, lambda x: jnp.sum(per_electron(x)), mesh=_mesh(1))
+    assert total(params, r).shape == (r.shape[0],)
