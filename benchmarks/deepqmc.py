@@ -778,14 +778,13 @@ def report(rows: list[dict], traj: dict | None, lines: dict[str, int], args: arg
         print(f"| {row['devices']} | {fmt_ratio(row.get('ratio'))} | {sv_['step_ms']:.0f} / {step_dq} | "
               f"{sv_['first_step_s']:.1f} / {first_dq} | {e_sv} | {e_dq} | {sv_['peak_rss_mib']:.0f} / "
               f"{dq.get('peak_rss_mib', 0):.0f} |")  # fmt: skip
+    load_harness()
+    from harness import fmt_run
+
     for row in rows:  # each run of the protocol
         for i, run in enumerate(row.get("runs", ())):
-            load, what = run["load"], "counted" if run["counted"] else "not counted"
-            above = {True: ", ABOVE the load limit", False: "", None: ", load of others unknown"}[load["above"]]
-            print(f"# {row['devices']} devices, run {i + 1} ({what}{above}), {run['utc'][0]}-{run['utc'][1]} UTC: "
-                  f"step {fmt_ratio(run['ratio'])}, {run['rounds']} rounds, {run['calls']} call(s) of "
-                  f"{args.block} step(s) per side per round; load average {load['load'][0]}-{load['load'][1]}, "
-                  f"other processes {load['others']} cores (at most {load['others_max']})")  # fmt: skip
+            per_round = f"{run['rounds']} rounds, {run['calls']} call(s) of {args.block} step(s) per side per round"
+            print(f"# {row['devices']} devices, " + fmt_run(i, run, fmt_ratio(run["ratio"]), per_round))
     print()
     print("| devices | piece | shardvmc / DeepQMC | ms sv / dq |")
     print("|---|---|---|---|")

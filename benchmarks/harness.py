@@ -361,6 +361,15 @@ def fmt_runs(r: dict[str, Any] | None) -> str:
     return f"{r['median']:.3f} [{r['q25']:.3f}, {r['q75']:.3f}] (runs {runs}; {r['settled']} of {r['n']} settled)"
 
 
+def fmt_run(i: int, run: dict[str, Any], ratio_text: str, middle: str) -> str:
+    """One protocol run's line: ``run I (counted), UTC: step RATIO, MIDDLE; load average ..., other processes ...``."""
+    load, what = run["load"], "counted" if run["counted"] else "not counted"
+    above = {True: ", ABOVE the load limit", False: "", None: ", load of others unknown"}[load["above"]]
+    return (f"run {i + 1} ({what}{above}), {run['utc'][0]}-{run['utc'][1]} UTC: step {ratio_text}, {middle}; "
+            f"load average {load['load'][0]}-{load['load'][1]}, other processes {load['others']} cores "
+            f"(at most {load['others_max']})")  # fmt: skip
+
+
 def add_protocol_args(parser: Any, batch: int) -> None:
     """The protocol's command-line options (``--rounds`` is the batch)."""
     d = Protocol()

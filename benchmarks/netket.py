@@ -62,6 +62,7 @@ from typing import Any
 from harness import (
     LoadMeter,
     add_protocol_args,
+    fmt_run,
     fmt_runs,
     independent_runs,
     measure,
@@ -350,12 +351,9 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
     print(f"# Hooke's atom, network {args.net!r}, {rows[0]['machine']}; blocks of {args.block} steps")
     for row in rows:  # each run of the protocol
         for i, run in enumerate(row["runs"]):
-            load, what = run["load"], "counted" if run["counted"] else "not counted"
-            above = {True: ", ABOVE the load limit", False: "", None: ", load of others unknown"}[load["above"]]
-            print(f"# {row['walkers']} walkers, run {i + 1} ({what}{above}), {run['utc'][0]}-{run['utc'][1]} UTC: "
-                  f"step {fmt(run['ratio'])}, loop / bare {fmt(run['loop_over_bare_step'])}, {run['rounds']} rounds, "
-                  f"{run['calls']} block(s) per side per round; load average {load['load'][0]}-{load['load'][1]}, "
-                  f"other processes {load['others']} cores (at most {load['others_max']})")  # fmt: skip
+            middle = (f"loop / bare {fmt(run['loop_over_bare_step'])}, {run['rounds']} rounds, {run['calls']} block(s) "
+                      "per side per round")  # fmt: skip
+            print(f"# {row['walkers']} walkers, " + fmt_run(i, run, fmt(run["ratio"]), middle))
     print()
     print("| walkers | step time shardvmc / NetKet | loop / bare step | step (ms) sv / nk | build (s) sv / nk "
           "| first step (s) sv / nk | expect sv | expect nk |")  # fmt: skip
