@@ -717,9 +717,7 @@ def trained_error_row(guard: Guard, what: str, one: Any, params: Any, walkers: A
     params = jax.device_get(params)
     device, cpu = jax.devices()[0], jax.devices("cpu")[0]
     f = jax.jit(jax.vmap(one, (None, 0)))
-    with jax.enable_x64(True):
-        reference = np.asarray(f(*jax.tree_util.tree_map(lambda a: jax.device_put(np.asarray(a, np.float64), cpu),
-                                                         (params, walkers))))  # fmt: skip
+    reference = float64_on_the_cpu(one, params, walkers)
     sem = reference.std() / np.sqrt(reference.size)
     for label, dev in ((f"float32 on the {device.platform}", device), ("float32 on the host's CPU", cpu)):
         e = np.asarray(f(*jax.device_put((params, walkers), dev)), np.float64)
