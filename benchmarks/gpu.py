@@ -32,7 +32,7 @@ median over repetitions [quartiles]), all in ONE table, in the platform's dtype
 - **10, neural step**: walkers per second (walkers x steps / s) of
   ``examples/neural_vmc.py``'s optimisation step (20 Metropolis moves, the folx local
   energy, the per-walker Jacobian, clipping, minSR, the update) and evaluation step for
-  Li in float64 at 4,096 and 16,384 walkers, and their compiled memory per device.
+  Li in the platform's dtype at 4,096 and 16,384 walkers, and their compiled memory per device.
 
 Every row runs in a child process that writes each finished row to a journal: a row whose
 process crashes (XLA aborts the whole process on some compiler failures, out-of-memory

@@ -165,6 +165,43 @@ def test_a_kernel_with_padding_equals_vmap(mesh):
     np.testing.assert_allclose(float(mean), float(np.mean(np.asarray(reference))), rtol=1e-5)
 
 
+@pytest.mark.parametrize("method", ["dense", "minsr", "spring", "cg"])
+def test_natural_gradient_in_float32_matches_float64(method, mesh):
+    """Each solver in float32 on the backend, with no precision set by the caller, against float64 numpy.
+
+    The bounds are a few times a CPU's float32 errors (dense and CG solve the P x P normal equations of condition
+    1e4: 2.4e-3 and 1.3e-3; minSR and SPRING the N x N system: 3e-7); one bfloat16 pass per product is 1e-2 off.
+    """
+    rng = np.random.default_rng(0)
+    n, p = 100, 600
+    j, e = rng.normal(size=(n, p)).astype(np.float32), rng.normal(size=n).astype(np.float32)
+    jc, ec = (j - j.mean(0)) / np.sqrt(n), (e - e.mean()) / np.sqrt(n)
+    jc, ec = jc.astype(np.float64), ec.astype(np.float64)
+    reference = jc.T @ np.linalg.solve(jc @ jc.T + 1e-3 * np.eye(n), ec)
+    extra = {"tol": 1e-7} if method == "cg" else {}
+    update, _ = sv.natural_gradient(jnp.asarray(j), jnp.asarray(e), damping=1e-3, method=method, mesh=mesh, **extra)
+    error = np.linalg.norm(np.asarray(update, np.float64) - reference) / np.linalg.norm(reference)
+    assert error < (1e-2 if method in ("dense", "cg") else 1e-5), error
+
+
+def test_log_squeeze_matches_deepqmc_in_float64(mesh):
+    """``sv.loss.ClipLogSqueeze`` in float32 on the backend against DeepQMC's formula in float64 numpy."""
+
+    @sv.walker_parallel(mesh=mesh)
+    def squeezed(e: sv.PerWalker[jax.Array]) -> sv.PerWalker[jax.Array]:
+        return sv.loss.ClipLogSqueeze()(e)[0]
+
+    rng = np.random.default_rng(1)
+    e = (-7.0 + rng.standard_cauchy(4096) * 0.1).astype(np.float32)  # heavy tails, as local energies have
+    clipped = squeezed(e)
+    x = e.astype(np.float64)
+    m = np.median(x)
+    w = np.quantile(np.abs(x - m), 0.95)
+    y = np.abs(x - m) / (2 * w)
+    reference = m + 2 * w * np.sign(x - m) * np.log1p((y + y**2 / 2 + y**3) / (1 + y**2))
+    np.testing.assert_allclose(np.asarray(clipped) - m, reference - m, rtol=1e-5, atol=1e-6)
+
+
 def test_the_precision_policy_of_the_backend(mesh):
     """float32 with 'highest' products on a TPU, float64 elsewhere; float64 refused on a TPU."""
     policy = sv.precision_policy("auto", mesh=mesh)

@@ -277,3 +277,33 @@ def test_traced_hyperparameters_with_concrete_walker_data():
         update = step(jnp.float64(0.05), jnp.asarray(previous))
     want = reference(j, e, N_VALID, 0.05, momentum=0.5, previous=previous)
     np.testing.assert_allclose(update, want, rtol=1e-9, atol=1e-9)
+
+
+def _equations(jaxpr, out):
+    """Every equation of ``jaxpr`` and of the jaxprs nested in it (jit, shard_map, loops)."""
+    for eqn in jaxpr.eqns:
+        out.append(eqn)
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (tuple, list)) else (param,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    _equations(inner, out)
+    return out
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_float32_products_at_full_precision(method):
+    """The solvers' products run at HIGHEST whatever the ambient precision (a TPU's default is one bfloat16 pass).
+
+    With one pass the Gram matrices are 1e-3 off and the update of a damped system of
+    condition 1e4 1e-2 off: the TPU gave dense and minSR answers that far apart.
+    """
+    j, e = (np.asarray(x, np.float32) for x in problem(seed=2, n_valid=N))
+    mesh = sv.create_mesh(jax.devices()[:1])
+    update = lambda j, e: sv.natural_gradient(j, e, damping=DAMPING, method=method, mesh=mesh)[0]  # noqa: E731
+    with jax.default_matmul_precision("bfloat16"):
+        traced = jax.make_jaxpr(update)(j, e)
+    dots = [q for q in _equations(traced.jaxpr, []) if q.primitive.name == "dot_general"]
+    assert dots, "no product traced"
+    precisions = {str(q.params["precision"]) for q in dots}
+    assert all("HIGHEST" in p for p in precisions), precisions
