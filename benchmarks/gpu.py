@@ -40,7 +40,9 @@ kills it) is reported as that row, with the signal and the last lines it printed
 new child goes on with the next row; the table keeps every row.
 
 Time guard: every row first times one call of each variant, then takes as many
-repetitions (at most ``--reps``, at least 3) as fit ``--row-seconds``; a row that would
+repetitions (at most ``--reps``, at least 3) as fit ``--row-seconds``; a row still running
+after ``--row-limit`` seconds (300) is stopped with its process and reported as that row's
+failure, and a new process goes on with the next row; a row that would
 start after ``--budget`` seconds (900) is skipped and says so, and a watchdog prints
 the table so far, writes ``--out`` and exits with code 124 when the run reaches the
 budget plus 45 s (a call that hangs, a row far slower than its first call). A row whose
@@ -65,6 +67,7 @@ from collections.abc import Callable
 from typing import Any
 
 SECTIONS = ("errors", "kernels", "dispatch", "solvers", "neural", "trained")
+ROW_LIMIT_EXIT = 125  # a child's exit status after it stopped a row at --row-limit
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -80,6 +83,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--budget", type=float, default=0, help="no row starts after this many seconds (default 420; smoke 300)"
     )
+    parser.add_argument(
+        "--row-limit", type=float, default=0, help="a row running longer is stopped, a failed row (default 300)"
+    )
     parser.add_argument("--out", default="", help="also write the table (Markdown) to this file")
     parser.add_argument("--json", default="", help="also write the rows, facts and machine to this JSON file")
     parser.add_argument("--in-process", action="store_true", help="run every row in this process (no child)")
@@ -87,6 +93,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--started-at", type=float, default=0.0, help=argparse.SUPPRESS)  # the parent's start
     # the tests': the row whose name holds this text aborts its process (as XLA does on some compiler failures)
     parser.add_argument("--abort-in", default="", help=argparse.SUPPRESS)
+    # the tests': the row whose name holds this text never returns (a compile or a call that hangs)
+    parser.add_argument("--hang-in", default="", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     unknown = set(args.only.split(",")) - set(SECTIONS)
     if unknown:
@@ -113,6 +121,7 @@ class Sizes:
     tiny_calls: int
     reps: int
     row_seconds: float
+    row_limit: float  # seconds a row may run before its process is stopped (0: no limit)
     budget: float
 
 
@@ -137,6 +146,7 @@ def sizes_for(args: argparse.Namespace, smoke: bool) -> Sizes:
             tiny_calls=5,
             reps=3,
             row_seconds=5.0,
+            row_limit=240.0,
             budget=300.0,
         )
     else:
@@ -158,11 +168,13 @@ def sizes_for(args: argparse.Namespace, smoke: bool) -> Sizes:
             tiny_calls=40,
             reps=21,
             row_seconds=25.0,
+            row_limit=300.0,
             budget=900.0,
         )
     sizes.reps = args.reps or sizes.reps
     sizes.row_seconds = args.row_seconds or sizes.row_seconds
     sizes.budget = args.budget or sizes.budget
+    sizes.row_limit = args.row_limit or sizes.row_limit
     return sizes
 
 
@@ -174,9 +186,9 @@ class Guard:
     """
 
     def __init__(self, report: Any, sizes: Sizes, write: Callable[[str], None], journal: str = "",
-                 started_at: float = 0.0, abort_in: str = "") -> None:  # fmt: skip
+                 started_at: float = 0.0, abort_in: str = "", hang_in: str = "") -> None:  # fmt: skip
         self.report, self.sizes, self.write, self.journal = report, sizes, write, journal
-        self.abort_in = abort_in
+        self.abort_in, self.hang_in = abort_in, hang_in
         # the parent's start when a child runs (the budget is the whole run's), else now
         self.start = time.perf_counter() - (time.time() - started_at if started_at else 0.0)
         self.current = "start-up"
@@ -219,21 +231,43 @@ class Guard:
             os.abort()
         start = time.perf_counter()
         facts: dict[str, Any] = {}
+        # In a child, a row past its limit ends the process (a compile or a call cannot be interrupted otherwise):
+        # the row is journalled as failed first, and the parent starts a new child for the rows after it.
+        limit = self.sizes.row_limit if self.journal else 0.0
+        timer = threading.Timer(limit, self._row_expired, (section, what, first)) if limit else None
+        if timer is not None:
+            timer.daemon = True
+            timer.start()
         try:
+            if self.hang_in and self.hang_in in what:
+                threading.Event().wait()
             run()
         except Exception as err:  # out of memory, a refused plan: the other rows still run
             message = f"{type(err).__name__}: {str(err).splitlines()[0][:160]}" if str(err) else type(err).__name__
             self.report.row(section, what, f"failed: {message}")
             facts["errors"] = {what: traceback.format_exc()[-4000:]}
+        if timer is not None:
+            timer.cancel()
         facts["row seconds"] = {what: round(time.perf_counter() - start, 1)}
         for key, value in facts.items():
             self.report.facts.setdefault(key, {}).update(value)
         self._log({"what": what, "rows": self.report.rows[first:], "facts": facts})
 
+    def _row_expired(self, section: int, what: str, first: int) -> None:
+        figure = f"failed: still running after the {self.sizes.row_limit:.0f} s row limit (its process was stopped)"
+        print(f"  [{section}] {what}: {figure}  (a new process goes on)", flush=True)
+        self._log({"what": what, "rows": [*self.report.rows[first:], _row(section, what, figure)], "facts": {}})
+        os._exit(ROW_LIMIT_EXIT)
+
     def _expire(self) -> None:
         print(f"\nTIMED OUT after {self.elapsed():.0f} s, in: {self.current}", flush=True)
         self.write(f"**Incomplete: timed out after {self.elapsed():.0f} s, in: {self.current}**")
         os._exit(124)
+
+
+def _row(section: int, what: str, figure: str) -> dict[str, Any]:
+    """A row with no goal, as ``Report.row`` writes it: a failure the parent or the row's timer records."""
+    return {"section": section, "what": what, "figure": figure, "goal": "", "met": None}
 
 
 def read_journal(path: str) -> list[dict[str, Any]]:
@@ -263,6 +297,8 @@ def supervise(argv: list[str], args: argparse.Namespace) -> int:
                 code = subprocess.run(command, stderr=stderr).returncode
             if code == 0:
                 return 0
+            if code == ROW_LIMIT_EXIT:  # the child journalled the row it stopped: the next child goes on after it
+                continue
             entries = read_journal(journal)
             done = {e["what"] for e in entries if "rows" in e}
             open_rows = [e for e in entries if e.get("started") and e["what"] not in done]
@@ -276,8 +312,7 @@ def supervise(argv: list[str], args: argparse.Namespace) -> int:
             figure = f"failed: the process died ({how}): {last}"
             print(f"  [{crashed['section']}] {crashed['what']}: {figure}  (a new process goes on)", flush=True)
             with open(journal, "a") as f:
-                row = {"section": crashed["section"], "what": crashed["what"], "figure": figure, "goal": "",
-                       "met": None}  # fmt: skip
+                row = _row(crashed["section"], crashed["what"], figure)
                 f.write(json.dumps({"what": crashed["what"], "rows": [row], "facts": {}}) + "\n")
         print("gave up: every child died", flush=True)
         return 1
@@ -841,7 +876,7 @@ def main(argv: list[str] | None = None) -> int:
                 json.dump({"machine": info, "rows": report.rows, "facts": report.facts, "note": note}, f, default=str)
 
     guard = Guard(report, sizes, lambda note: (print(report.table(), flush=True), write(note)), args.journal,
-                  args.started_at, args.abort_in)  # fmt: skip
+                  args.started_at, args.abort_in, args.hang_in)  # fmt: skip
     chosen = args.only.split(",")
     if "errors" in chosen:
         error_rows(guard, sizes)

@@ -174,6 +174,19 @@ def test_gpu_script_keeps_the_table_when_a_row_kills_its_process(tmp_path):
     assert stdout.count("| # | measurement | figure | goal | met |") == 1
 
 
+def test_gpu_script_stops_a_row_past_its_limit_and_goes_on(tmp_path):
+    """A row that never returns (a compile that hangs) is stopped at --row-limit as that row's failure; the rows
+    after it run in a new process and the table keeps every row."""
+    args = ("--smoke", "--only", "errors,dispatch", "--hang-in", "corpus", "--row-limit", "60")
+    stdout, data = _run("gpu.py", *args, tmp_path=tmp_path, timeout=480)
+    rows = {row["what"]: row["figure"] for row in data["rows"]}
+    hung = [what for what in rows if "corpus" in what]
+    assert len(hung) == 1 and rows[hung[0]].startswith("failed: still running after the 60 s row limit"), rows
+    assert any("templates" in what and "median" in figure for what, figure in rows.items())  # before it
+    assert any(row["section"] == 2 and "[" in row["figure"] for row in data["rows"])  # after it, in a new process
+    assert stdout.count("| # | measurement | figure | goal | met |") == 1
+
+
 def test_gpu_script_skips_rows_past_its_budget(tmp_path):
     stdout, data = _run("gpu.py", "--smoke", "--only", "solvers", "--budget", "0.001", tmp_path=tmp_path)
     assert data["rows"] and all(row["figure"].startswith("skipped") for row in data["rows"])
