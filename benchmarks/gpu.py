@@ -81,7 +81,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--reps", type=int, default=0, help="repetitions per ratio, at most (default 21; smoke 3)")
     parser.add_argument("--row-seconds", type=float, default=0, help="timed seconds per row (default 25; smoke 5)")
     parser.add_argument(
-        "--budget", type=float, default=0, help="no row starts after this many seconds (default 420; smoke 300)"
+        "--budget", type=float, default=0, help="no row starts after this many seconds (default 900; smoke 300)"
     )
     parser.add_argument(
         "--row-limit", type=float, default=0, help="a row running longer is stopped, a failed row (default 300)"

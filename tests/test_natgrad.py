@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jaxprs import equations
 
 import shardvmc as sv
 from shardvmc._memory import compiled_memory, device_memory_budget
@@ -279,18 +280,6 @@ def test_traced_hyperparameters_with_concrete_walker_data():
     np.testing.assert_allclose(update, want, rtol=1e-9, atol=1e-9)
 
 
-def _equations(jaxpr, out):
-    """Every equation of ``jaxpr`` and of the jaxprs nested in it (jit, shard_map, loops)."""
-    for eqn in jaxpr.eqns:
-        out.append(eqn)
-        for param in eqn.params.values():
-            for sub in param if isinstance(param, (tuple, list)) else (param,):
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    _equations(inner, out)
-    return out
-
-
 @pytest.mark.parametrize("method", METHODS)
 def test_float32_products_at_full_precision(method):
     """The solvers' products run at HIGHEST whatever the ambient precision (a TPU's default is one bfloat16 pass).
@@ -303,7 +292,7 @@ def test_float32_products_at_full_precision(method):
     update = lambda j, e: sv.natural_gradient(j, e, damping=DAMPING, method=method, mesh=mesh)[0]  # noqa: E731
     with jax.default_matmul_precision("bfloat16"):
         traced = jax.make_jaxpr(update)(j, e)
-    dots = [q for q in _equations(traced.jaxpr, []) if q.primitive.name == "dot_general"]
+    dots = [q for q in equations(traced.jaxpr) if q.primitive.name == "dot_general"]
     assert dots, "no product traced"
     precisions = {str(q.params["precision"]) for q in dots}
     assert all("HIGHEST" in p for p in precisions), precisions

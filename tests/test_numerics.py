@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jaxprs import equations
 
 import shardvmc as sv
 from shardvmc import _numerics
@@ -61,24 +62,13 @@ def test_the_rewrite_replaces_transcendentals_and_raises_every_product_to_highes
     w = jax.random.normal(jax.random.key(0), (9, 9)) / 3
     r = jax.random.normal(jax.random.key(1), (3, 3))
     rewritten = jax.make_jaxpr(_numerics._rewrite(_network))(r, w)
-
-    def primitives(jaxpr, out):
-        for eqn in jaxpr.eqns:
-            out.append(eqn)
-            for value in eqn.params.values():
-                for sub in value if isinstance(value, tuple) else (value,):
-                    inner = getattr(sub, "jaxpr", sub)
-                    if hasattr(inner, "eqns"):
-                        primitives(inner, out)
-        return out
-
-    eqns = primitives(rewritten.jaxpr, [])
+    eqns = equations(rewritten.jaxpr)
     names = {e.primitive.name for e in eqns}
     assert not names & {"exp", "log", "tanh", "log1p", "logistic"}, names
     dots = [e for e in eqns if e.primitive.name == "dot_general"]
     assert dots and all(e.params["precision"] == (jax.lax.Precision.HIGHEST,) * 2 for e in dots)
     original = jax.make_jaxpr(_network)(r, w)
-    assert {"tanh", "exp", "log1p", "logistic"} <= {e.primitive.name for e in primitives(original.jaxpr, [])}
+    assert {"tanh", "exp", "log1p", "logistic"} <= {e.primitive.name for e in equations(original.jaxpr)}
 
 
 def test_the_rewrite_computes_the_same_function_and_derivatives():
