@@ -29,7 +29,7 @@ from ._errors import CallError, describe, message
 from ._memory import compiled_memory, device_memory_budget, format_bytes
 from ._mesh import call_mesh, entered_mesh, mesh_of_arrays, onto_mesh, traced_mesh_error
 from ._placement import pad_n_walkers, pad_walker
-from ._reductions import jtj, jtv, walker_mean
+from ._reductions import gram_of_rows, jtv, walker_mean
 from ._stats import local_indices, masked, rmatvec
 from ._walkerset import check_n_valid, split_walker_set, walker_count
 
@@ -135,13 +135,27 @@ def _relative_residual(a_x: jax.Array, b: jax.Array) -> jax.Array:
 
 
 def _dense(mesh: Mesh, axis: str, cfg: _Config, j: Any, e: Any, mu: Any, emean: Any, count: Any, s: Any) -> Any:
-    """``(S + damping I)^-1 Jc^H ec`` with ``S = jtj(Jc)`` (P x P, one all-reduce)."""
+    """``(S + damping I)^-1 Jc^H ec`` with ``S = Jc^H Jc`` (P x P), replicated.
+
+    One ``shard_map``: each device centres its rows and energies into one matrix
+    ``[Jc | ec]``, written transposed (the centring copies the rows anyway), and multiplies
+    it by itself (:func:`gram_of_rows`); one all-reduce adds the ``(P + 1)^2`` pieces, which
+    hold ``S`` and ``Jc^H ec``.
+    """
     n, r, p = j.shape
-    jc = _centred(j, mu, s["scale"]).reshape(n * r, p)
-    ec = _centred(e, emean, s["scale"]).reshape(n * r)
-    valid = None if cfg.all_valid else r * count
-    big_s = jtj(jc, valid, mesh=mesh, axis_name=axis)
-    b = jtv(jc, ec, valid, mesh=mesh, axis_name=axis)
+    n_local = n // _compat.axis_size(mesh, axis)
+    spec = PartitionSpec(axis)
+
+    def body(j_loc: jax.Array, e_loc: jax.Array, mu: Any, emean: Any, count: Any) -> Any:
+        mask = local_indices(axis, n_local) < count
+        scale = jax.lax.rsqrt(count.astype(j_loc.real.dtype))
+        rows = jnp.concatenate([_centred(j_loc, mu, scale), _centred(e_loc, emean, scale)[..., None]], axis=-1)
+        rows = masked(rows.astype(j_loc.dtype), mask).reshape(n_local * r, p + 1)
+        return jax.lax.psum(gram_of_rows(rows.T), axis)
+
+    replicated = PartitionSpec()
+    both = _compat.shard_map(body, mesh, (spec, spec) + (replicated,) * 3, replicated)(j, e, mu, emean, count)
+    big_s, b = both[:p, :p], both[:p, p]
     x = _solve(big_s, s["damping"], jnp.zeros(p, bool), b, cfg.solver, s["rcond"])
     return x, jnp.zeros((), jnp.int32), _relative_residual(big_s @ x + s["damping"] * x, b)
 

@@ -72,7 +72,24 @@ def _valid_products(local: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _jtj_local(jac: jax.Array) -> jax.Array:
-    return jac.conj().T @ jac
+    return gram_of_rows(jac.T)
+
+
+def gram_of_rows(t: jax.Array) -> jax.Array:
+    """``conj(t) @ t.T`` (``J^H J`` for ``t = J.T``), from the blocks on and above the diagonal only.
+
+    A matrix product does not know that its result is Hermitian and XLA has no ``syrk``: for
+    256 rows or more, 4 row blocks take 10 of the 16 block products; the blocks below the
+    diagonal are the conjugate transposes of those above. The rows of ``t`` are the columns
+    of ``J``: a product over the contiguous axis of both operands is the layout CPUs multiply
+    fastest (a third faster than over the leading axis of ``J``).
+    """
+    p = t.shape[0]
+    k = 4 if p >= 256 else 2 if p >= 128 else 1
+    b = -(-p // k)
+    rows = [t[i * b : min((i + 1) * b, p)] for i in range(k)]
+    upper = {(a, c): jnp.conj(rows[a]) @ rows[c].T for a in range(k) for c in range(a, k)}
+    return jnp.block([[upper[a, c] if a <= c else jnp.conj(upper[c, a]).T for c in range(k)] for a in range(k)])
 
 
 def _jtv_local(jac: jax.Array, v: jax.Array) -> jax.Array:

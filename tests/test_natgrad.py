@@ -104,6 +104,19 @@ def test_complex_matches_numpy(method, real_params):
     np.testing.assert_allclose(update, want, rtol=1e-9, atol=1e-9)
 
 
+@pytest.mark.parametrize("p", [130, 301])  # the Gram product of [Jc | ec] in 2 and 4 blocks of rows
+@pytest.mark.parametrize("complex_", [False, True], ids=["real", "complex"])
+def test_dense_with_many_parameters_matches_numpy(p, complex_):
+    j, e = problem(seed=7, complex_=complex_, n=p + 40, p=p, n_valid=p + 33)
+    want = reference(j, e, p + 33, DAMPING)
+    for k in (1, 3):
+        mesh = sv.create_mesh(jax.devices()[:k])
+        with jax.enable_x64(True):
+            update, info = sv.natural_gradient(j, e, n_valid=p + 33, damping=DAMPING, method="dense", mesh=mesh)
+        np.testing.assert_allclose(update, want, rtol=1e-9, atol=1e-9, err_msg=f"{k} devices")
+        assert float(info.residual) < 1e-9
+
+
 def test_more_walkers_than_parameters():
     """P < N: dense and minSR solve the same system from the two sides; CG (Jacobi-preconditioned here) too."""
     j, e = problem(seed=2, n=24, p=5, n_valid=21)

@@ -37,6 +37,17 @@ def test_values_match_numpy(mesh, n, n_valid):
         assert leaf.sharding.mesh == mesh
 
 
+@pytest.mark.parametrize("p", [130, 301])  # 2 and 4 blocks of rows in the Gram product, the last one short
+@pytest.mark.parametrize("complex_", [False, True], ids=["real", "complex"])
+def test_jtj_of_many_parameters_matches_numpy(mesh, p, complex_):
+    rng = np.random.default_rng(p)
+    j = rng.normal(size=(24, p)) + (1j * rng.normal(size=(24, p)) if complex_ else 0)
+    with jax.enable_x64(True), sv.use_mesh(mesh):
+        out = sv.jtj(sv.shard_walker(jnp.asarray(j)), 19)
+    np.testing.assert_allclose(out, j[:19].conj().T @ j[:19], rtol=1e-12, atol=1e-12)
+    assert out.shape == (p, p) and out.sharding.is_fully_replicated
+
+
 def test_mean_of_integers_is_float():
     out = sv.walker_mean(jnp.arange(8, dtype=jnp.int32), 3)
     assert jnp.issubdtype(out.dtype, jnp.floating) and float(out) == 1.0
