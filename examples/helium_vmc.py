@@ -9,7 +9,7 @@ the potential are written for ONE walker; ``sv.mcmc.Metropolis`` samples ``|psi|
 ``sv.hamiltonian.local_energy`` gives the local energy (folx's forward Laplacian), both
 walker-parallel kernels; the measurement is one made with ``sv.walker_parallel``. The
 statistics come out of the kernels as ``Mean`` outputs and the SR update from the optax
-chain of ``shardvmc.optax`` (dense SR on ``sv.jtj`` / ``sv.jtv``), so per-walker data
+chain of ``shardvmc.optax`` (dense SR: one all-reduce of ``Jc^H Jc`` and ``Jc^H ec``), so per-walker data
 never leaves its device. ``sv.driver.run`` runs the optimisation (progress, logs,
 checkpoints) and ``sv.driver.expect`` estimates the energy at the optimised parameters.
 
