@@ -95,6 +95,18 @@ def _centred(x: jax.Array, mean: jax.Array, scale: jax.Array) -> jax.Array:
     return (x - mean) * scale.astype(x.real.dtype)
 
 
+def _local_rows(axis: str, j_loc: jax.Array, e_loc: jax.Array, mu: Any, emean: Any, count: Any) -> tuple[Any, Any]:
+    """Inside a ``shard_map``: this device's centred rows ``(n_local R, P)`` and energies ``(n_local R,)``.
+
+    Padding walkers' rows are zero (they enter no product).
+    """
+    n_local, r, p = j_loc.shape
+    mask = local_indices(axis, n_local) < count
+    scale = jax.lax.rsqrt(count.astype(j_loc.real.dtype))
+    jc = masked(_centred(j_loc, mu, scale), mask).reshape(n_local * r, p)
+    return jc, masked(_centred(e_loc, emean, scale), mask).reshape(n_local * r)
+
+
 def _rows(j: jax.Array, e: jax.Array, real: bool) -> tuple[jax.Array, jax.Array]:
     """``(N, R, P)`` rows and ``(N, R)`` energies: ``R = 2`` (real, imaginary) for real parameters of a complex J.
 
@@ -142,15 +154,12 @@ def _dense(mesh: Mesh, axis: str, cfg: _Config, j: Any, e: Any, mu: Any, emean: 
     it by itself (:func:`gram_of_rows`); one all-reduce adds the ``(P + 1)^2`` pieces, which
     hold ``S`` and ``Jc^H ec``.
     """
-    n, r, p = j.shape
-    n_local = n // _compat.axis_size(mesh, axis)
+    p = j.shape[2]
     spec = PartitionSpec(axis)
 
     def body(j_loc: jax.Array, e_loc: jax.Array, mu: Any, emean: Any, count: Any) -> Any:
-        mask = local_indices(axis, n_local) < count
-        scale = jax.lax.rsqrt(count.astype(j_loc.real.dtype))
-        rows = jnp.concatenate([_centred(j_loc, mu, scale), _centred(e_loc, emean, scale)[..., None]], axis=-1)
-        rows = masked(rows.astype(j_loc.dtype), mask).reshape(n_local * r, p + 1)
+        jc, ec = _local_rows(axis, j_loc, e_loc, mu, emean, count)
+        rows = jnp.concatenate([jc, ec[:, None].astype(jc.dtype)], axis=1)
         return jax.lax.psum(gram_of_rows(rows.T), axis)
 
     replicated = PartitionSpec()
@@ -227,17 +236,11 @@ def _sample_space(mesh: Mesh, axis: str, cfg: _Config, j: Any, e: Any, mu: Any, 
 
 def _cg(mesh: Mesh, axis: str, cfg: _Config, j: Any, e: Any, mu: Any, emean: Any, count: Any, s: Any) -> Any:
     """Jacobi-preconditioned CG on ``(Jc^H Jc + damping I) x = Jc^H ec``: one all-reduce of size P per step."""
-    n, r, p = j.shape
-    d = _compat.axis_size(mesh, axis)
-    n_local = n // d
     spec = PartitionSpec(axis)
     real_dtype = j.real.dtype
 
     def body(j_loc: jax.Array, e_loc: jax.Array, mu: Any, emean: Any, count: Any, damping: Any, tol: Any) -> Any:
-        mask = local_indices(axis, n_local) < count
-        scale = jax.lax.rsqrt(count.astype(real_dtype))
-        jc = masked(_centred(j_loc, mu, scale), mask).reshape(n_local * r, p)
-        ec = masked(_centred(e_loc, emean, scale), mask).reshape(n_local * r)
+        jc, ec = _local_rows(axis, j_loc, e_loc, mu, emean, count)
         b, diag = jax.lax.psum((rmatvec(jc, ec), jnp.sum(jnp.abs(jc) ** 2, axis=0)), axis)
         # The pseudo-inverse of the diagonal: a zero entry (damping=0 and a parameter J does not depend on)
         # is a zero row of S with a zero right-hand side; 0 there keeps CG off that direction, which gives

@@ -87,7 +87,7 @@ def gram_of_rows(t: jax.Array) -> jax.Array:
     p = t.shape[0]
     k = 4 if p >= 256 else 2 if p >= 128 else 1
     b = -(-p // k)
-    rows = [t[i * b : min((i + 1) * b, p)] for i in range(k)]
+    rows = [t[i * b : (i + 1) * b] for i in range(k)]  # the last one shorter
     upper = {(a, c): jnp.conj(rows[a]) @ rows[c].T for a in range(k) for c in range(a, k)}
     return jnp.block([[upper[a, c] if a <= c else jnp.conj(upper[c, a]).T for c in range(k)] for a in range(k)])
 
