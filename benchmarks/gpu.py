@@ -28,7 +28,8 @@ median over repetitions [quartiles]), all in ONE table, in the platform's dtype
 - **9, natural gradient**: each solver of ``sv.natural_gradient`` (dense, minsr, spring,
   cg) under ``jax.jit`` / a hand-written ``jax.jit`` jnp solve of the same system, at
   the neural example's size (N = 512, P = 4,753, float64) and at N = 16,384, P = 10^5
-  (float32: J is 6.5 GB; dense is left out there, its P x P matrix alone is 40 GB).
+  (float32: J is 6.5 GB; dense is left out there, its P x P matrix alone is 40 GB), or
+  the P whose J fills an eighth of a smaller device's memory (some 32,000 on a 16 GiB chip).
 - **10, neural step**: walkers per second (walkers x steps / s) of
   ``examples/neural_vmc.py``'s optimisation step (20 Metropolis moves, the folx local
   energy, the per-walker Jacobian, clipping, minSR, the update) and evaluation step for
@@ -125,6 +126,16 @@ class Sizes:
     budget: float
 
 
+def large_p(n: int) -> int:
+    """The large solver rows' parameter count: 10^5, or fewer where J (float32) would take over an eighth of the
+    device's memory (a solve holds J, its centred copy and the hand-written solve's; 10^5 fills a 16 GiB TPU)."""
+    import jax
+
+    limit = (jax.devices()[0].memory_stats() or {}).get("bytes_limit", 0)
+    fit = limit // 8 // (4 * n) // 1000 * 1000 if limit else 100_000
+    return int(min(100_000, max(fit, 1000)))
+
+
 def sizes_for(args: argparse.Namespace, smoke: bool) -> Sizes:
     def counts(text: str, default: list[int]) -> list[int]:
         return [int(s) for s in text.split(",") if s.strip()] or default
@@ -156,7 +167,7 @@ def sizes_for(args: argparse.Namespace, smoke: bool) -> Sizes:
             ferminet_batch_size=4096,
             error_walkers=512,
             o2_walkers=16384,
-            solvers=[("the neural example's size", 512, 4753, "auto"), ("large", 16384, 100_000, "float32")],
+            solvers=[("the neural example's size", 512, 4753, "auto"), ("large", 16384, large_p(16384), "float32")],
             neural_walkers=counts(args.neural_walkers, [4096, 16384]),
             neural_quick=False,
             neural_steps=("optimisation", "evaluation"),
@@ -568,6 +579,10 @@ def hand_written_solver(method: str, damping: float, momentum: float, tol: float
         return jax.scipy.linalg.cho_solve((jnp.linalg.cholesky(a), True), b)
 
     def solve(j: jax.Array, e: jax.Array, previous: jax.Array) -> jax.Array:
+        with jax.default_matmul_precision("highest"):  # as sv.natural_gradient's (a TPU's default is one bf16 pass)
+            return solve_at_highest(j, e, previous)
+
+    def solve_at_highest(j: jax.Array, e: jax.Array, previous: jax.Array) -> jax.Array:
         jc, ec = centred(j, e)
         if method == "dense":
             return cholesky_solve(jc.T @ jc + damping * jnp.eye(j.shape[1], dtype=j.dtype), jc.T @ ec)
@@ -590,6 +605,7 @@ def solver_rows(guard: Guard, mesh: Any, sizes: Sizes) -> None:
 
     damping, momentum, tol, maxiter = 1e-3, 0.9, 1e-6, 200
     report = guard.report
+    dense_limit = (jax.devices()[0].memory_stats() or {}).get("bytes_limit", 2**35) / 4
     for label, n, p, dtype_name in sizes.solvers:
         if dtype_name == "auto":  # the platform's: float64 where it has it, float32 on a TPU
             dtype_name = sv.precision_policy(mesh=mesh).dtype.name
@@ -610,10 +626,10 @@ def solver_rows(guard: Guard, mesh: Any, sizes: Sizes) -> None:
             continue
         for method in ("dense", "minsr", "spring", "cg"):
             what = f"natural gradient, {label} (N={n}, P={p:,}, {dtype_name}): {method}"
-            if method == "dense" and p * p * jnp.dtype(dtype).itemsize > 2**33:
-                report.row(
-                    9, what, f"left out: its P x P matrix alone is {p * p * jnp.dtype(dtype).itemsize / 2**30:.0f} GiB"
-                )
+            gram = p * p * jnp.dtype(dtype).itemsize
+            if method == "dense" and gram > dense_limit:  # S, its Cholesky factor and the hand-written solve's
+                report.row(9, what, f"left out: its P x P matrix alone is {gram / 2**30:.1f} GiB, over a quarter of "
+                                    f"the device's memory")  # fmt: skip
                 continue
 
             def run(method: str = method, what: str = what, x64: bool = x64, data: dict = data) -> None:

@@ -82,13 +82,16 @@ def gram_of_rows(t: jax.Array) -> jax.Array:
     256 rows or more, 4 row blocks take 10 of the 16 block products; the blocks below the
     diagonal are the conjugate transposes of those above. The rows of ``t`` are the columns
     of ``J``: a product over the contiguous axis of both operands is the layout CPUs multiply
-    fastest (a third faster than over the leading axis of ``J``).
+    fastest (a third faster than over the leading axis of ``J``). The products run at
+    ``HIGHEST`` whatever the caller's default: a TPU's (one bfloat16 pass) leaves a Gram
+    matrix 1e-3 off, which a covariance (a difference of such sums) or a damped solve cannot afford.
     """
     p = t.shape[0]
     k = 4 if p >= 256 else 2 if p >= 128 else 1
     b = -(-p // k)
     rows = [t[i * b : (i + 1) * b] for i in range(k)]  # the last one shorter
-    upper = {(a, c): jnp.conj(rows[a]) @ rows[c].T for a in range(k) for c in range(a, k)}
+    highest = jax.lax.Precision.HIGHEST
+    upper = {(a, c): jnp.matmul(jnp.conj(rows[a]), rows[c].T, precision=highest) for a in range(k) for c in range(a, k)}
     return jnp.block([[upper[a, c] if a <= c else jnp.conj(upper[c, a]).T for c in range(k)] for a in range(k)])
 
 

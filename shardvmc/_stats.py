@@ -91,8 +91,12 @@ def local_indices(axes: str | tuple[str, ...], n_local: int) -> jax.Array:
 
 
 def rmatvec(jac: jax.Array, v: jax.Array) -> jax.Array:
-    """``jac^H v`` without forming the conjugate transpose of ``jac`` (no copy of the rows)."""
-    return jnp.conj(jnp.conj(v) @ jac)
+    """``jac^H v`` without forming the conjugate transpose of ``jac`` (no copy of the rows), at ``HIGHEST``.
+
+    Gradients and SR's right-hand sides are such sums; a TPU's default precision (one
+    bfloat16 pass) would leave them 1e-3 off.
+    """
+    return jnp.conj(jnp.matmul(jnp.conj(v), jac, precision=jax.lax.Precision.HIGHEST))
 
 
 def masked(x: jax.Array, mask: jax.Array | None) -> jax.Array:

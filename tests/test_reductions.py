@@ -48,6 +48,21 @@ def test_jtj_of_many_parameters_matches_numpy(mesh, p, complex_):
     assert out.shape == (p, p) and out.sharding.is_fully_replicated
 
 
+def test_products_at_full_precision(mesh):
+    """jtj and jtv multiply at HIGHEST whatever the caller's default (a TPU's is one bfloat16 pass).
+
+    At one pass the docs' covariance ``jtj / n - outer(mean, mean)`` came out 4e-2 off on a TPU.
+    """
+    from jaxprs import equations
+
+    jac, v = jacobian(301), jax.random.normal(jax.random.key(1), (301,))
+    for fn, args in ((sv.jtj, (jac,)), (sv.jtv, (jac, v))):
+        with jax.default_matmul_precision("bfloat16"), sv.use_mesh(mesh):
+            traced = jax.make_jaxpr(fn)(*args)
+        dots = [q for q in equations(traced.jaxpr) if q.primitive.name == "dot_general"]
+        assert dots and all(q.params["precision"] == (jax.lax.Precision.HIGHEST,) * 2 for q in dots), fn
+
+
 def test_mean_of_integers_is_float():
     out = sv.walker_mean(jnp.arange(8, dtype=jnp.int32), 3)
     assert jnp.issubdtype(out.dtype, jnp.floating) and float(out) == 1.0
