@@ -126,12 +126,17 @@ class Sizes:
     budget: float
 
 
+def device_bytes() -> int:
+    """The first device's memory in bytes, as its allocator reports it (0 where it reports none: CPUs)."""
+    import jax
+
+    return int((jax.devices()[0].memory_stats() or {}).get("bytes_limit", 0))
+
+
 def large_p(n: int) -> int:
     """The large solver rows' parameter count: 10^5, or fewer where J (float32) would take over an eighth of the
     device's memory (a solve holds J, its centred copy and the hand-written solve's; 10^5 fills a 16 GiB TPU)."""
-    import jax
-
-    limit = (jax.devices()[0].memory_stats() or {}).get("bytes_limit", 0)
+    limit = device_bytes()
     fit = limit // 8 // (4 * n) // 1000 * 1000 if limit else 100_000
     return int(min(100_000, max(fit, 1000)))
 
@@ -605,7 +610,7 @@ def solver_rows(guard: Guard, mesh: Any, sizes: Sizes) -> None:
 
     damping, momentum, tol, maxiter = 1e-3, 0.9, 1e-6, 200
     report = guard.report
-    dense_limit = (jax.devices()[0].memory_stats() or {}).get("bytes_limit", 2**35) / 4
+    dense_limit = (device_bytes() or 2**35) / 4
     for label, n, p, dtype_name in sizes.solvers:
         if dtype_name == "auto":  # the platform's: float64 where it has it, float32 on a TPU
             dtype_name = sv.precision_policy(mesh=mesh).dtype.name
