@@ -78,6 +78,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated subset of {SECTIONS}")
     parser.add_argument("--walkers", default="", help="FermiNet kernel walker counts (default 4096,16384,65536)")
     parser.add_argument("--neural-walkers", default="", help="neural step walker counts (default 4096,16384)")
+    parser.add_argument(
+        "--solver-sizes", default="example,large", help="section 9's sizes: example (N=512), large (N=16,384)"
+    )
     parser.add_argument("--neural-optimiser", default="minsr", help="natural_gradient method of the neural step")
     parser.add_argument("--reps", type=int, default=0, help="repetitions per ratio, at most (default 21; smoke 3)")
     parser.add_argument("--row-seconds", type=float, default=0, help="timed seconds per row (default 25; smoke 5)")
@@ -172,7 +175,14 @@ def sizes_for(args: argparse.Namespace, smoke: bool) -> Sizes:
             ferminet_batch_size=4096,
             error_walkers=512,
             o2_walkers=16384,
-            solvers=[("the neural example's size", 512, 4753, "auto"), ("large", 16384, large_p(16384), "float32")],
+            solvers=[
+                solver
+                for key, solver in (
+                    ("example", ("the neural example's size", 512, 4753, "auto")),
+                    ("large", ("large", 16384, large_p(16384), "float32")),
+                )
+                if key in args.solver_sizes.split(",")
+            ],
             neural_walkers=counts(args.neural_walkers, [4096, 16384]),
             neural_quick=False,
             neural_steps=("optimisation", "evaluation"),
@@ -359,8 +369,9 @@ def median(values: list[float]) -> float:
 # ----------------------------------------------------------------------------- 8. kernels
 
 
-def error_text(e: Any, reference: Any) -> str:
-    """``median, 95 %, mean, rms and max`` of ``e - reference`` (hartree), the walkers' errors against float64."""
+def error_figures(e: Any, reference: Any) -> dict[str, float]:
+    """``median, p95, mean, rms, max`` of ``e - reference`` (hartree), and ``mean_99, rms_99`` without the 1 % of
+    largest ``|E_L|``."""
     import numpy as np
 
     reference = np.asarray(reference, np.float64).reshape(-1)
@@ -370,11 +381,25 @@ def error_text(e: Any, reference: Any) -> str:
     # and rms over all walkers are set by the few nearest one; the same without the 1 % of largest |E_L|
     # (chosen by the float64 values, not by the errors)
     far = np.abs(reference - np.median(reference)) <= np.percentile(np.abs(reference - np.median(reference)), 99)
+    return {
+        "median": float(np.median(a)),
+        "p95": float(np.percentile(a, 95)),
+        "mean": float(d.mean()),
+        "rms": float(np.sqrt(np.mean(d * d))),
+        "max": float(a.max()),
+        "mean_99": float(d[far].mean()),
+        "rms_99": float(np.sqrt(np.mean(d[far] ** 2))),
+    }
+
+
+def error_text(e: Any, reference: Any) -> str:
+    """``median, 95 %, mean, rms and max`` of ``e - reference`` (hartree), the walkers' errors against float64."""
+    f = error_figures(e, reference)
     return (
-        f"median {np.median(a):.1e}, 95 % {np.percentile(a, 95):.1e}, mean {d.mean():+.1e}, "
-        f"rms {np.sqrt(np.mean(d * d)):.1e}, max {a.max():.1e} Ha; "
+        f"median {f['median']:.1e}, 95 % {f['p95']:.1e}, mean {f['mean']:+.1e}, "
+        f"rms {f['rms']:.1e}, max {f['max']:.1e} Ha; "
         f"without the 1 % of largest local energies (in magnitude): "
-        f"mean {d[far].mean():+.1e}, rms {np.sqrt(np.mean(d[far] ** 2)):.1e} Ha"
+        f"mean {f['mean_99']:+.1e}, rms {f['rms_99']:.1e} Ha"
     )
 
 
@@ -529,10 +554,10 @@ def error_rows(guard: Guard, sizes: Sizes) -> None:
 
             device, cpu = jax.devices()[0], jax.devices("cpu")[0]
 
-            def library(dev: Any, p: Any, r: Any) -> Any:  # sv.hamiltonian.local_energy on one device
+            def library(dev: Any, p: Any, r: Any, laplacian: str = "auto") -> Any:  # on one device
                 mesh = sv.create_mesh([dev])
                 on = jax.tree_util.tree_map(lambda a: jax.device_put(a, dev), (p, r))
-                return sv.hamiltonian.local_energy(log_psi, potential, mesh=mesh)(*on)
+                return sv.hamiltonian.local_energy(log_psi, potential, mesh=mesh, laplacian=laplacian)(*on)
 
             with jax.enable_x64(True):
                 reference = library(
@@ -540,13 +565,28 @@ def error_rows(guard: Guard, sizes: Sizes) -> None:
                 )
             platform = device.platform
             plain_on = jax.tree_util.tree_map(lambda a: jax.device_put(a, device), (params, walkers))
+            on_device = f"sv.hamiltonian.local_energy, float32 on the {platform}"
+            on_cpu = "sv.hamiltonian.local_energy, float32 on the host's CPU"
             figures = {
-                f"sv.hamiltonian.local_energy, float32 on the {platform}": library(device, params, walkers),
+                on_device: library(device, params, walkers),
                 f"folx at JAX's defaults, float32 on the {platform}": jax.jit(jax.vmap(plain, (None, 0)))(*plain_on),
-                "sv.hamiltonian.local_energy, float32 on the host's CPU": library(cpu, params, walkers),
+                on_cpu: library(cpu, params, walkers),
             }
+            if platform == "tpu":  # the TPU's Laplacian ("auto" takes the JVP loop there, folx on a CPU)
+                on_cpu = f"{on_cpu}, the {platform}'s Laplacian (laplacian='jvp')"
+                figures[on_cpu] = library(cpu, params, walkers, laplacian="jvp")
             for label, e in figures.items():
                 guard.report.row(11, f"{what}: {label}", error_text(e, reference))
+            # the goal: no worse than float32 on a CPU by the same algorithm (mean and rms within 2x)
+            mine, theirs = error_figures(figures[on_device], reference), error_figures(figures[on_cpu], reference)
+            ratios = {k: abs(mine[k]) / max(abs(theirs[k]), 1e-30) for k in ("mean", "rms")}
+            guard.report.row(
+                11,
+                f"{what}: the {platform}'s errors / float32's on the host's CPU, same Laplacian: mean (magnitude), rms",
+                f"{ratios['mean']:.2f}, {ratios['rms']:.2f}",
+                "<= 2",
+                max(ratios.values()) <= 2,
+            )
 
         guard.row(11, what, run)
 
@@ -610,7 +650,9 @@ def solver_rows(guard: Guard, mesh: Any, sizes: Sizes) -> None:
 
     damping, momentum, tol, maxiter = 1e-3, 0.9, 1e-6, 200
     report = guard.report
-    dense_limit = (device_bytes() or 2**35) / 4
+    # the dense solve holds about five P x P matrices (S, its factor, the hand-written solve's, temporaries): 19.2 GB
+    # at P = 32,000 on a TPU, whose limit reads 16 GiB
+    dense_limit = (device_bytes() or 2**35) / 5
     for label, n, p, dtype_name in sizes.solvers:
         if dtype_name == "auto":  # the platform's: float64 where it has it, float32 on a TPU
             dtype_name = sv.precision_policy(mesh=mesh).dtype.name
@@ -626,14 +668,15 @@ def solver_rows(guard: Guard, mesh: Any, sizes: Sizes) -> None:
                 data["j"], data["e"] = sv.shard_walker((j, e), mesh)
                 data["previous"] = sv.replicate(1e-3 * jax.random.normal(keys[2], (p,), dtype), mesh)
 
+        first = len(report.rows)
         guard.row(9, f"natural gradient, {label}: the data (N={n}, P={p}, {dtype_name})", make)
-        if not data:
+        if len(report.rows) > first:  # making it failed (here or in an earlier process): its row says how
             continue
         for method in ("dense", "minsr", "spring", "cg"):
             what = f"natural gradient, {label} (N={n}, P={p:,}, {dtype_name}): {method}"
             gram = p * p * jnp.dtype(dtype).itemsize
             if method == "dense" and gram > dense_limit:  # S, its Cholesky factor and the hand-written solve's
-                report.row(9, what, f"left out: its P x P matrix alone is {gram / 2**30:.1f} GiB, over a quarter of "
+                report.row(9, what, f"left out: its P x P matrix alone is {gram / 2**30:.1f} GiB, over a fifth of "
                                     f"the device's memory")  # fmt: skip
                 continue
 
@@ -653,6 +696,8 @@ def solver_rows(guard: Guard, mesh: Any, sizes: Sizes) -> None:
                         mesh=mesh,
                     )[0]
 
+                if not data:  # a new process, after a row that ended the last one: the data row is in the journal
+                    make()
                 ours = jax.jit(ours)
                 hand = hand_written_solver(method, damping, momentum, tol, maxiter)
                 args = (data["j"], data["e"], data["previous"])
