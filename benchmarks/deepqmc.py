@@ -60,12 +60,16 @@ Usage (from the repository root, after ``pip install -e ".[bench]"``)::
     DEEPQMC_PYTHON=... python benchmarks/deepqmc.py --devices 8 --trajectory ""   # the step and pieces, 3 runs
     python benchmarks/deepqmc.py --smoke     # shardvmc's side only, tiny, a stand-in network: no DeepQMC needed
     DEEPQMC_PYTHON=... python benchmarks/deepqmc.py --train 300 --trajectory "" --plot lih.png  # time to accuracy
-    DEEPQMC_PYTHON=... python benchmarks/deepqmc.py --train 300 --trajectory "" --seed 1  # another seed
+    DEEPQMC_PYTHON=... python benchmarks/deepqmc.py --train 300 --trajectory "" --seed 3  # seeds 3, 4, 5
 
 ``--train N`` trains both sides N steps from the same parameters, one step of each in turn, every
 step timed (the first with its compilation), and prints when each first reaches DeepQMC's final
 energy (the mean of its last 20 % of steps; "reached" is the 20-step running mean at or below it):
-shardvmc's time over DeepQMC's is the time-to-accuracy ratio; ``--plot`` draws both curves.
+shardvmc's time over DeepQMC's is the time-to-accuracy ratio; ``--plot`` draws both curves (of
+the first counted run). By the protocol: ``--runs`` (3) independent runs, run i from seed
+``--seed`` + i, the load and the other processes' CPU recorded at every step, a run taken above
+``--max-load`` repeated with the next seed; the figure is the median of the counted runs'
+ratios (a side that does not reach DeepQMC's final energy counted as the slowest).
 """
 
 import argparse
@@ -518,7 +522,7 @@ def child(args: argparse.Namespace) -> int:
     import numpy as np
 
     load_harness()
-    from harness import LoadMeter, measure, protocol_of, run_load
+    from harness import LoadMeter, measure, protocol_of, run_load, utc_now
 
     protocol = protocol_of(args)
     pieces_protocol = dataclasses.replace(protocol, batch=args.piece_reps,
@@ -549,8 +553,11 @@ def child(args: argparse.Namespace) -> int:
             args.block, args.piece_reps = 1, 0
             first = {"shardvmc": row["shardvmc"]["first_step_s"], "deepqmc": (row.get("deepqmc") or {}).get(
                 "first_step_s", 0.0)}  # fmt: skip
-            seconds = alternate(sides, args.train - 1, warm_up=0)
+            readings: list[dict[str, Any]] = []  # the load at every step (a round: one step of each side)
+            seconds = alternate(sides, args.train - 1, warm_up=0, after_round=lambda: readings.append(
+                {**meter.reading(), "utc": utc_now()}))  # fmt: skip
             row["train"] = {name: [first[name], *t] for name, t in seconds.items()}
+            row["train_rounds"] = readings
             times = {k: v[1:] for k, v in row["train"].items()}
             row["shardvmc"]["step_ms"] = 1e3 * statistics.median(times["shardvmc"]) / args.block
             if trains:
@@ -568,7 +575,7 @@ def child(args: argparse.Namespace) -> int:
                 row["ratio"] = step["ratio"]
         # the pieces, measured the same way (`calls` calls of each side per round, each waited for)
         row["pieces"] = {}
-        measured = [row["step"]] if "step" in row else []
+        measured = [row["step"]] if "step" in row else [{"rounds": row["train_rounds"]}] if args.train else []
         for name, fn in sv_job["pieces"].items() if not args.train else ():
             theirs = PARTNER.get(name, name) if proc is not None else None  # DeepQMC's piece that does the same
             theirs = theirs if proc is not None and theirs in row["deepqmc"]["pieces"] else None
@@ -625,8 +632,9 @@ def timed_calls(fn: Any, number: int) -> float:
     return time.perf_counter() - start
 
 
-def alternate(sides: dict[str, Any], rounds: int, warm_up: int = 2) -> dict[str, list[float]]:
-    """Seconds of each side per round, the sides in turn (order reversed every other round), after warm-ups."""
+def alternate(sides: dict[str, Any], rounds: int, warm_up: int = 2, after_round: Any = None) -> dict[str, list[float]]:
+    """Seconds of each side per round, the sides in turn (order reversed every other round), after warm-ups;
+    ``after_round()`` after each round."""
     names = list(sides)
     for _ in range(warm_up):
         for name in names:
@@ -635,6 +643,8 @@ def alternate(sides: dict[str, Any], rounds: int, warm_up: int = 2) -> dict[str,
     for i in range(rounds):
         for name in names if i % 2 == 0 else names[::-1]:
             times[name].append(sides[name]())
+        if after_round is not None:
+            after_round()
     return times
 
 
@@ -673,7 +683,7 @@ def device_count(devices: int, args: argparse.Namespace) -> dict[str, Any]:
     run taken above ``--max-load`` repeated): the row of the first counted run, its step and piece ratios and
     times replaced by the medians over the counted runs, and every run taken under ``"runs"``."""
     if args.train:
-        return run_child("--child", devices, args)
+        return train_runs(devices, args)
     load_harness()
     from harness import independent_runs, median_of_runs, protocol_of
 
@@ -710,6 +720,61 @@ def device_count(devices: int, args: argparse.Namespace) -> dict[str, Any]:
         if (combined := median_of_runs([run["pieces"][name].get("ratio") for run in counted])) is not None:
             piece["ratio"] = combined
     return row
+
+
+def train_runs(devices: int, args: argparse.Namespace) -> dict[str, Any]:
+    """Time to accuracy by the protocol: ``--runs`` independent runs, run i from seed ``--seed`` + i (both sides'
+    initial parameters and random numbers), the load recorded at every step; a run during which other processes
+    took more than ``--max-load`` cores is kept, marked and followed by one more (``--extra-runs`` at most). The
+    row is the first counted run's (its curves are the plot's), with every run under ``"train_runs"`` and the
+    median over the counted runs of the time-to-accuracy ratio (a side that does not reach: the slowest)."""
+    load_harness()
+    from harness import independent_runs, protocol_of
+
+    def run_once(i: int) -> dict[str, Any]:
+        run = run_child("--child", devices, argparse.Namespace(**{**vars(args), "seed": args.seed + i}))
+        run["seed"], run["reached"] = args.seed + i, accuracy_times(run)
+        run["step_ratio"] = run.pop("ratio", None)  # the per-step quartiles, not a settled protocol's ratio
+        utc = [run["train_rounds"][0]["utc"], run["train_rounds"][-1]["utc"]] if run["train_rounds"] else ["-"] * 2
+        run["utc"] = utc
+        print(f"# {devices} devices, seed {run['seed']}, {utc[0]}-{utc[1]} UTC: {fmt_reached(run['reached'])}",
+              flush=True)  # fmt: skip
+        return run
+
+    result = independent_runs(run_once, protocol_of(args), lambda m: print(f"# {devices} devices, {m}", flush=True))
+    counted = [result["runs"][i] for i in result["counted"]]
+    row = dict(counted[0], ratio=counted[0]["step_ratio"])
+    row["train_runs"] = [
+        {"seed": run["seed"], "counted": i in result["counted"], "load": run["load"], "utc": run["utc"],
+         "reached": run["reached"], "step_ratio": run["step_ratio"]}
+        for i, run in enumerate(result["runs"])
+    ]  # fmt: skip
+    ratios = [run["reached"]["ratio"] for run in counted if run["reached"]]
+    row["time_ratio"] = statistics.median(ratios) if ratios else None
+    row["above_load"] = result["above_load"]
+    return row
+
+
+def accuracy_times(row: dict[str, Any]) -> dict[str, Any] | None:
+    """DeepQMC's final energy (the mean of its last 20 % of steps), when each side first reaches it (s; ``None``:
+    not reached) and their ratio (``inf`` where shardvmc does not reach, ``0`` where only DeepQMC does not)."""
+    if "train" not in row or "deepqmc" not in row["train"]:
+        return None
+    energies = {"shardvmc": row["shardvmc"]["energies"], "deepqmc": row["deepqmc"]["energies"]}
+    tail = energies["deepqmc"][-max(1, len(energies["deepqmc"]) // 5) :]
+    target = sum(tail) / len(tail)
+    when = {side: reached(energies[side], row["train"][side], target) for side in energies}
+    sv_t, dq_t = when["shardvmc"], when["deepqmc"]
+    ratio = sv_t / dq_t if sv_t and dq_t else float("inf") if not sv_t else 0.0
+    return {"target": target, "shardvmc": sv_t, "deepqmc": dq_t, "ratio": ratio, "steps": len(energies["deepqmc"])}
+
+
+def fmt_reached(r: dict[str, Any] | None) -> str:
+    if not r:
+        return "no DeepQMC side"
+    fmt = {side: f"{r[side]:.0f} s" if r[side] else "not reached" for side in ("shardvmc", "deepqmc")}
+    return (f"DeepQMC's final energy {r['target']:.4f}, reached: shardvmc {fmt['shardvmc']}, DeepQMC "
+            f"{fmt['deepqmc']}, ratio {r['ratio']:.3f}")  # fmt: skip
 
 
 def trajectories(args: argparse.Namespace) -> dict[str, Any]:
@@ -815,22 +880,27 @@ def reached(energies: list[float], seconds: list[float], target: float, window: 
 
 
 def time_to_accuracy(rows: list[dict], plot: str) -> None:
-    """DeepQMC's final energy (the mean of its last 20 % of steps) and when each side first reaches it."""
-    print("\n| devices | steps | DeepQMC's final energy | reached: shardvmc (s) | DeepQMC (s) | ratio |")
-    print("|---|---|---|---|---|---|")
+    """Each run's DeepQMC final energy (the mean of its last 20 % of steps) and when each side first reaches it;
+    the median ratio over a device count's counted runs."""
+    print("\n| devices | seed | DeepQMC's final energy | reached: shardvmc (s) | DeepQMC (s) | ratio | load average, "
+          "other processes (cores) |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|")
     curves = []
     for row in rows:
         if "train" not in row or "deepqmc" not in row["train"]:
             continue
+        for run in row["train_runs"]:
+            r, load = run["reached"], run["load"]
+            fmt = {side: f"{r[side]:.0f}" if r[side] else "not reached" for side in ("shardvmc", "deepqmc")}
+            mark = "" if run["counted"] else " (not counted: above the load limit)"
+            print(
+                f"| {row['devices']} | {run['seed']}{mark} | {r['target']:.4f} | {fmt['shardvmc']} | "
+                f"{fmt['deepqmc']} | {r['ratio']:.3f} | {load['load'][0]}-{load['load'][1]}, {load['others']} |"
+            )
+        if row["time_ratio"] is not None:
+            print(f"| {row['devices']} | **median of the counted runs** | | | | **{row['time_ratio']:.3f}** | |")
         energies = {"shardvmc": row["shardvmc"]["energies"], "deepqmc": row["deepqmc"]["energies"]}
-        tail = energies["deepqmc"][-max(1, len(energies["deepqmc"]) // 5) :]
-        target = sum(tail) / len(tail)
-        when = {side: reached(energies[side], row["train"][side], target) for side in energies}
-        ratio = f"{when['shardvmc'] / when['deepqmc']:.3f}" if when["shardvmc"] and when["deepqmc"] else "-"
-        fmt = {side: f"{t:.0f}" if t else "not reached" for side, t in when.items()}
-        print(f"| {row['devices']} | {len(energies['deepqmc'])} | {target:.4f} | {fmt['shardvmc']} | "
-              f"{fmt['deepqmc']} | {ratio} |")  # fmt: skip
-        curves.append((row["devices"], energies, row["train"], target))
+        curves.append((row["devices"], energies, row["train"], accuracy_times(row)["target"]))
     if plot and curves:
         import itertools
 

@@ -440,3 +440,48 @@ def test_independent_runs_say_when_every_run_was_above_the_load(harness):
     p = harness.Protocol(runs=3, extra_runs=2)
     result = harness.independent_runs(lambda i: _run_record(0.6 + i / 100, True), p, lambda line: None)
     assert len(result["runs"]) == 5 and result["counted"] == [0, 1, 2] and result["above_load"] == 3
+
+
+def test_time_to_accuracy_is_measured_by_the_protocol(harness, monkeypatch, capsys):
+    """``deepqmc.py --train``: run i from seed i, the load of every run kept, a run taken above the load repeated
+    (with the next seed), and the figure the median over the counted runs of the time at which shardvmc reaches
+    DeepQMC's final energy over DeepQMC's (a side that never reaches it: the slowest)."""
+    import importlib.util
+
+    # by its path, under another name: `deepqmc` is DeepQMC's package; the script takes its folder off sys.path
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    spec = importlib.util.spec_from_file_location("deepqmc_benchmark", ROOT / "benchmarks" / "deepqmc.py")
+    assert spec is not None and spec.loader is not None
+    deepqmc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(deepqmc)
+
+    # seconds per shardvmc step by seed (DeepQMC's: 1 s), and whether its run was taken above the load;
+    # seed 3's shardvmc stays above DeepQMC's final energy
+    runs = {0: (0.5, False), 1: (0.9, True), 2: (0.4, False), 3: (0.3, False)}
+
+    def child(flag, devices, args):
+        per_step, above = runs[args.seed]
+        sv_energies = [-7.0] * 60 if args.seed == 3 else [-8.0] * 60
+        return {
+            "devices": devices, "seed_seen": args.seed, "ratio": {"median": per_step, "q25": 0, "q75": 1, "n": 60},
+            "train": {"shardvmc": [per_step] * 60, "deepqmc": [1.0] * 60},
+            "shardvmc": {"energies": sv_energies}, "deepqmc": {"energies": [-7.5] * 10 + [-8.0] * 50},
+            "load": {"above": above, "load": [0.1, 0.4], "others": 0.9 if above else 0.05, "others_max": 1.0},
+            "train_rounds": [{"utc": "12:00:00"}, {"utc": "12:01:00"}],
+        }  # fmt: skip
+
+    monkeypatch.setattr(deepqmc, "run_child", child)
+    args = deepqmc.parse_args(["--train", "60", "--runs", "3", "--extra-runs", "2", "--seed", "0"])
+    row = deepqmc.train_runs(8, args)
+    assert [r["seed"] for r in row["train_runs"]] == [0, 1, 2, 3]
+    assert [r["counted"] for r in row["train_runs"]] == [True, False, True, True]
+    # DeepQMC reaches -8.0 (its last fifth's mean) when its 20-step mean does: after step 30, at 30 s
+    reached = [r["reached"] for r in row["train_runs"]]
+    assert [r["deepqmc"] for r in reached] == [30.0] * 4 and reached[0]["shardvmc"] == pytest.approx(10.0)
+    assert reached[3]["shardvmc"] is None and reached[3]["ratio"] == float("inf")
+    assert row["time_ratio"] == pytest.approx(1 / 3)  # the median of 1/3, 4/15 (seed 2) and inf (seed 3)
+    assert row["seed"] == 0 and row["ratio"]["median"] == 0.5  # the first counted run's step quartiles
+    deepqmc.time_to_accuracy([row], plot="")
+    table = capsys.readouterr().out
+    assert "| 8 | 1 (not counted: above the load limit) |" in table and "not reached" in table
+    assert "**median of the counted runs** | | | | **0.333** |" in table
