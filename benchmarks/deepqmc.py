@@ -814,10 +814,10 @@ def main(argv: list[str] | None = None) -> int:
     rows = [device_count(int(n), args) for n in args.devices.split(",")]
     traj = trajectories(args) if args.trajectory else None
     lines = user_lines(HERE)
+    if args.json:  # first: the figures are kept whatever the report (the plot needs matplotlib) does
+        Path(args.json).write_text(json.dumps({"rows": rows, "trajectory": traj, "lines": lines}, indent=1))
     report(rows, traj, lines, args)
     print(f"\n(total {time.perf_counter() - started:.0f} s)")
-    if args.json:
-        Path(args.json).write_text(json.dumps({"rows": rows, "trajectory": traj, "lines": lines}, indent=1))
     return 0
 
 
