@@ -769,12 +769,16 @@ def accuracy_times(row: dict[str, Any]) -> dict[str, Any] | None:
     return {"target": target, "shardvmc": sv_t, "deepqmc": dq_t, "ratio": ratio, "steps": len(energies["deepqmc"])}
 
 
+def fmt_when(seconds: float | None, unit: str = "") -> str:
+    """When a side reached DeepQMC's final energy (:func:`accuracy_times`), or that it did not."""
+    return f"{seconds:.0f}{unit}" if seconds else "not reached"
+
+
 def fmt_reached(r: dict[str, Any] | None) -> str:
     if not r:
         return "no DeepQMC side"
-    fmt = {side: f"{r[side]:.0f} s" if r[side] else "not reached" for side in ("shardvmc", "deepqmc")}
-    return (f"DeepQMC's final energy {r['target']:.4f}, reached: shardvmc {fmt['shardvmc']}, DeepQMC "
-            f"{fmt['deepqmc']}, ratio {r['ratio']:.3f}")  # fmt: skip
+    return (f"DeepQMC's final energy {r['target']:.4f}, reached: shardvmc {fmt_when(r['shardvmc'], ' s')}, DeepQMC "
+            f"{fmt_when(r['deepqmc'], ' s')}, ratio {r['ratio']:.3f}")  # fmt: skip
 
 
 def trajectories(args: argparse.Namespace) -> dict[str, Any]:
@@ -891,16 +895,15 @@ def time_to_accuracy(rows: list[dict], plot: str) -> None:
             continue
         for run in row["train_runs"]:
             r, load = run["reached"], run["load"]
-            fmt = {side: f"{r[side]:.0f}" if r[side] else "not reached" for side in ("shardvmc", "deepqmc")}
             mark = "" if run["counted"] else " (not counted: above the load limit)"
             print(
-                f"| {row['devices']} | {run['seed']}{mark} | {r['target']:.4f} | {fmt['shardvmc']} | "
-                f"{fmt['deepqmc']} | {r['ratio']:.3f} | {load['load'][0]}-{load['load'][1]}, {load['others']} |"
+                f"| {row['devices']} | {run['seed']}{mark} | {r['target']:.4f} | {fmt_when(r['shardvmc'])} | "
+                f"{fmt_when(r['deepqmc'])} | {r['ratio']:.3f} | {load['load'][0]}-{load['load'][1]}, {load['others']} |"
             )
         if row["time_ratio"] is not None:
             print(f"| {row['devices']} | **median of the counted runs** | | | | **{row['time_ratio']:.3f}** | |")
         energies = {"shardvmc": row["shardvmc"]["energies"], "deepqmc": row["deepqmc"]["energies"]}
-        curves.append((row["devices"], energies, row["train"], accuracy_times(row)["target"]))
+        curves.append((row["devices"], energies, row["train"], row["reached"]["target"]))
     if plot and curves:
         import itertools
 

@@ -463,7 +463,7 @@ def test_time_to_accuracy_is_measured_by_the_protocol(harness, monkeypatch, caps
         per_step, above = runs[args.seed]
         sv_energies = [-7.0] * 60 if args.seed == 3 else [-8.0] * 60
         return {
-            "devices": devices, "seed_seen": args.seed, "ratio": {"median": per_step, "q25": 0, "q75": 1, "n": 60},
+            "devices": devices, "ratio": {"median": per_step, "q25": 0, "q75": 1, "n": 60},
             "train": {"shardvmc": [per_step] * 60, "deepqmc": [1.0] * 60},
             "shardvmc": {"energies": sv_energies}, "deepqmc": {"energies": [-7.5] * 10 + [-8.0] * 50},
             "load": {"above": above, "load": [0.1, 0.4], "others": 0.9 if above else 0.05, "others_max": 1.0},
