@@ -611,8 +611,19 @@ def dispatch_rows(guard: Guard, mesh: Any, sizes: Sizes) -> None:
 # ----------------------------------------------------------------------------- 9. natural gradient
 
 
-def hand_written_solver(method: str, damping: float, momentum: float, tol: float, maxiter: int) -> Callable[..., Any]:
-    """The same system as ``sv.natural_gradient(method=...)``, solved the plain jnp way under ``jax.jit``."""
+# XLA's Cholesky compiles in minutes on a TPU above this many rows (6.8 s at 2,048, 17.6 s at 4,096, 51.7 s at 8,192,
+# over 150 s at 16,384 on a v5e): there the hand-written minSR and SPRING solve the same system by CG on its P x P form.
+TPU_CHOLESKY_ROWS = 4096
+
+
+def hand_written_solver(
+    method: str, damping: float, momentum: float, tol: float, maxiter: int, *, by_cg: bool = False
+) -> Callable[..., Any]:
+    """The same system as ``sv.natural_gradient(method=...)``, solved the plain jnp way under ``jax.jit``.
+
+    ``by_cg``: minSR and SPRING's ``Jc^T (Jc Jc^T + damping)^-1 r`` as ``(Jc^T Jc + damping)^-1 Jc^T r``, by CG
+    (the same vector, without the N x N matrix).
+    """
     import jax
     import jax.numpy as jnp
 
@@ -631,10 +642,15 @@ def hand_written_solver(method: str, damping: float, momentum: float, tol: float
         jc, ec = centred(j, e)
         if method == "dense":
             return cholesky_solve(jc.T @ jc + damping * jnp.eye(j.shape[1], dtype=j.dtype), jc.T @ ec)
+        matvec = lambda v: jc.T @ (jc @ v) + damping * v  # noqa: E731
         if method == "cg":
-            matvec = lambda v: jc.T @ (jc @ v) + damping * v  # noqa: E731
             return jax.scipy.sparse.linalg.cg(matvec, jc.T @ ec, tol=tol, maxiter=maxiter)[0]
         mu = momentum if method == "spring" else 0.0
+        if by_cg:
+            return (
+                jax.scipy.sparse.linalg.cg(matvec, jc.T @ (ec - mu * (jc @ previous)), tol=tol, maxiter=maxiter)[0]
+                + mu * previous
+            )
         t = jc @ jc.T + damping * jnp.eye(j.shape[0], dtype=j.dtype)
         return jc.T @ cholesky_solve(t, ec - mu * (jc @ previous)) + mu * previous
 
@@ -680,7 +696,7 @@ def solver_rows(guard: Guard, mesh: Any, sizes: Sizes) -> None:
                                     f"the device's memory")  # fmt: skip
                 continue
 
-            def run(method: str = method, what: str = what, x64: bool = x64, data: dict = data) -> None:
+            def run(method: str = method, what: str = what, x64: bool = x64, data: dict = data, n: int = n) -> None:
                 spring = method == "spring"
 
                 def ours(j: jax.Array, e: jax.Array, previous: jax.Array) -> jax.Array:
@@ -699,7 +715,9 @@ def solver_rows(guard: Guard, mesh: Any, sizes: Sizes) -> None:
                 if not data:  # a new process, after a row that ended the last one: the data row is in the journal
                     make()
                 ours = jax.jit(ours)
-                hand = hand_written_solver(method, damping, momentum, tol, maxiter)
+                by_cg = method in ("minsr", "spring") and n > TPU_CHOLESKY_ROWS and jax.default_backend() == "tpu"
+                hand = hand_written_solver(method, damping, momentum, tol, maxiter, by_cg=by_cg)
+                reference = "hand-written jax.jit CG on the P x P system" if by_cg else "hand-written jax.jit solve"
                 args = (data["j"], data["e"], data["previous"])
                 with jax.enable_x64(x64):
                     thunks = {"shardvmc": lambda: ours(*args), "hand": lambda: hand(*args)}
@@ -707,7 +725,7 @@ def solver_rows(guard: Guard, mesh: Any, sizes: Sizes) -> None:
                     diff = rel_diff(ours(*args), hand(*args))
                 report.row(
                     9,
-                    f"{what}: sv.natural_gradient / hand-written jax.jit solve (max rel diff {diff:.1e}; "
+                    f"{what}: sv.natural_gradient / {reference} (max rel diff {diff:.1e}; "
                     f"{1e3 * median(times['shardvmc']):.1f} ms per call, compiled in {compile_seconds:.0f} s)",
                     str(rat),
                 )

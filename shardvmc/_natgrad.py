@@ -25,6 +25,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from . import _compat
 from ._caches import bounded
+from ._cholesky import spd_solve
 from ._errors import CallError, describe, message
 from ._memory import compiled_memory, device_memory_budget, format_bytes
 from ._mesh import call_mesh, entered_mesh, mesh_of_arrays, onto_mesh, traced_mesh_error
@@ -134,9 +135,7 @@ def _solve(t: jax.Array, damping: Any, unused: jax.Array, b: jax.Array, solver: 
         keep = w > rcond * jnp.max(w)
         inv = jnp.where(keep, 1.0 / jnp.where(keep, w + damping, 1.0), 0.0)
         return v @ (inv * (jnp.conj(v).T @ b))
-    a = t + jnp.diag(diag).astype(t.dtype)
-    factor = jnp.linalg.cholesky(a)
-    return jax.scipy.linalg.cho_solve((factor, True), b)
+    return spd_solve(t + jnp.diag(diag).astype(t.dtype), b)
 
 
 def _relative_residual(a_x: jax.Array, b: jax.Array) -> jax.Array:

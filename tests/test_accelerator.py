@@ -184,6 +184,20 @@ def test_natural_gradient_in_float32_matches_float64(method, mesh):
     assert error < (1e-2 if method in ("dense", "cg") else 1e-5), error
 
 
+def test_minsr_above_4096_walkers_matches_float64(mesh):
+    """minSR with a 4,500 x 4,500 sample-space matrix: on TPUs the blocked Cholesky (XLA's compiles for minutes at
+    16,384 rows there), elsewhere XLA's; float32 on the backend against float64 numpy on the host."""
+    rng = np.random.default_rng(1)
+    n, p = 4500, 6000
+    j, e = rng.normal(size=(n, p)).astype(np.float32), rng.normal(size=n).astype(np.float32)
+    jc = (j - j.mean(0)).astype(np.float64) / np.sqrt(n)
+    ec = (e - e.mean()).astype(np.float64) / np.sqrt(n)
+    reference = jc.T @ np.linalg.solve(jc @ jc.T + 1e-3 * np.eye(n), ec)
+    update, _ = sv.natural_gradient(jnp.asarray(j), jnp.asarray(e), damping=1e-3, method="minsr", mesh=mesh)
+    error = np.linalg.norm(np.asarray(update, np.float64) - reference) / np.linalg.norm(reference)
+    assert error < 1e-5, error
+
+
 def test_log_squeeze_matches_deepqmc_in_float64(mesh):
     """``sv.loss.ClipLogSqueeze`` in float32 on the backend against DeepQMC's formula in float64 numpy."""
 

@@ -9,6 +9,7 @@ compiles each kernel once. Timings are printed by the command, never asserted.
 
 import json
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -485,3 +486,16 @@ def test_time_to_accuracy_is_measured_by_the_protocol(harness, monkeypatch, caps
     table = capsys.readouterr().out
     assert "| 8 | 1 (not counted: above the load limit) |" in table and "not reached" in table
     assert "**median of the counted runs** | | | | **0.333** |" in table
+
+
+def test_cholesky_script_puts_xlas_and_the_blocked_solve_side_by_side():
+    """One process a cell: both solves' residuals at float32's level; a row past its limit is a cell, not a crash."""
+    command = [sys.executable, str(ROOT / "benchmarks" / "cholesky.py"), "--variants", "xla,128x2"]
+    proc = subprocess.run([*command, "--rows", "300"], capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (row,) = [line for line in proc.stdout.splitlines() if line.startswith("| 300 |")]
+    residuals = [float(r) for r in re.findall(r"residual ([0-9.e+-]+),", row)]
+    assert len(residuals) == 2 and max(residuals) < 1e-5, row
+    stopped = subprocess.run([*command, "--rows", "300", "--limit", "0.5"], capture_output=True, text=True,
+                             timeout=240, cwd=ROOT)  # fmt: skip
+    assert stopped.returncode == 0 and stopped.stdout.count("at the 0.5 s limit") == 2, stopped.stdout
