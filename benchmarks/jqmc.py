@@ -43,6 +43,15 @@ step), so their steps are not comparable one by one: the table gives each run's 
 walker-step and, the figure of merit of a QMC run, the seconds one would need for an error
 bar of 1 mHa (``seconds x (error / 1 mHa)^2``), and the extrapolated energies against the exact.
 
+**The peer protocol** (``benchmarks/harness.py``): ``--runs`` (3) independent runs, each a fresh process of
+this script (``--child``) from seed ``--seed`` + i, jQMC's side first in even runs and shardvmc's first in odd
+ones; the load average and the CPU of processes outside the benchmark sampled every few seconds; a run during
+which other processes took more than ``--max-load`` cores on average is repeated (``--extra-runs`` at most).
+Per system, two figures of shardvmc over jQMC: the cost of a walker-step (all runs' seconds over their
+steps; the same walkers on both sides) and the seconds for a 1 mHa error bar on the extrapolated energy; the
+result is the median of the counted runs' figures. Whole DMC runs are the rounds here: their quartiles are
+not the step ratio's of the other peers' protocol, so each run's figure is given beside the median.
+
 jQMC pins ``jax < 0.8`` and shardvmc needs ``jax >= 0.10.2``, so jQMC runs in a worker process
 of its own interpreter (``--jqmc-python``, default ``$JQMC_PYTHON``, else
 ``/tmp/venvjqmc/bin/python``): this file with ``--worker DIR``, under ``python -P`` (else this
@@ -54,8 +63,8 @@ library: ``pip install mpich`` in its venv gives one::
 
 Usage (from the repository root)::
 
-    python benchmarks/jqmc.py                     # helium and H2 (about 12 minutes on 2 busy CPU cores)
-    python benchmarks/jqmc.py --systems helium --walkers 1024 --json he.json
+    python benchmarks/jqmc.py                     # helium and H2, three runs (about 8 minutes a run, 2 idle cores)
+    python benchmarks/jqmc.py --systems helium --walkers 1024 --runs 1 --json he.json
     python benchmarks/jqmc.py --quick             # tiny sizes; not seconds: jQMC compiles for a minute per system
     python benchmarks/jqmc.py --markdown /tmp/jqmc_results.md   # also write the tables and the facts there
 """
@@ -122,7 +131,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.add_argument(flag, type=type(default), help=f"(default {default}; --quick: {QUICK[name]})")
     python = os.environ.get("JQMC_PYTHON", "/tmp/venvjqmc/bin/python")
     parser.add_argument("--jqmc-python", default=python, help=f"the interpreter with jQMC (default {python})")
-    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=1, help="the first run's seed; run i's is this + i")
+    parser.add_argument("--runs", type=int, default=3, help="independent runs (the figures: their median)")
+    parser.add_argument("--extra-runs", type=int, default=3, help="repeats of runs above --max-load, at most")
+    parser.add_argument("--max-load", type=float, default=0.5,
+                        help="other processes' CPU (cores) during a run above which it is repeated")  # fmt: skip
+    parser.add_argument("--child", choices=("jqmc", "shardvmc"), default="", help=argparse.SUPPRESS)  # side first
     parser.add_argument("--json", default="", help="also write the results to this JSON file")
     parser.add_argument("--markdown", default="", help="also write the tables, the commands and the facts here")
     parser.add_argument("--worker", default="", help=argparse.SUPPRESS)  # jQMC's side, in its own interpreter
@@ -478,10 +492,120 @@ def facts(args: argparse.Namespace, report: dict[str, Any]) -> str:
     ])  # fmt: skip
 
 
+# --------------------------------------------------------------------------------------------
+# The protocol: independent runs, each a child process of this script
+
+
+def figures(systems: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """Per system, shardvmc over jQMC: a walker-step's cost, and the seconds for 1 mHa on the extrapolated energy."""
+
+    def per_step(runs: list[dict[str, Any]]) -> float:
+        return sum(run["seconds"] for run in runs) / sum(run["steps"] for run in runs)
+
+    def for_one_mha(side: dict[str, Any]) -> float:
+        return sum(run["seconds"] for run in side["runs"]) * (side["extrapolated"][1] / 1e-3) ** 2
+
+    return {
+        name: {
+            "walker_step": per_step(item["shardvmc"]["runs"]) / per_step(item["jqmc"]["runs"]),
+            "one_mha": for_one_mha(item["shardvmc"]) / for_one_mha(item["jqmc"]),
+        }
+        for name, item in systems.items()
+    }
+
+
+def child_argv(args: argparse.Namespace, run: int, out: str) -> list[str]:
+    """This script's options for run ``run``: one comparison, seed ``--seed`` + run, sides in turn first."""
+    argv = ["--systems", ",".join(args.systems), "--alats", ",".join(map(str, args.alats)), "--projections",
+            str(args.projections), "--time-steps", ",".join(map(str, args.time_steps)), "--warmup",
+            str(args.warmup), "--jqmc-python", args.jqmc_python, "--seed", str(args.seed + run), "--json", out,
+            "--child", ("jqmc", "shardvmc")[run % 2]]  # fmt: skip
+    for name in DEFAULTS:
+        argv += ["--" + name.replace("_", "-"), str(getattr(args, name))]
+    return argv + (["--quick"] if args.quick else [])
+
+
+def one_run(args: argparse.Namespace, run: int, meter: Any = None, every: float = 5.0) -> dict[str, Any]:
+    """Run ``run`` in a child process, the load sampled every ``every`` seconds while it runs."""
+    from harness import LoadMeter, load_summary, utc_now
+
+    meter = meter or LoadMeter()  # the child's processes are this process's tree: they are not "others"
+    with tempfile.TemporaryDirectory(prefix="jqmc-run-") as folder:
+        out = str(Path(folder) / "run.json")
+        start, readings = utc_now(), []
+        meter.reading()
+        with subprocess.Popen([sys.executable, str(HERE), *child_argv(args, run, out)]) as proc:
+            while proc.poll() is None:
+                try:
+                    proc.wait(timeout=every)
+                except subprocess.TimeoutExpired:
+                    pass
+                readings.append(meter.reading())
+        if proc.returncode:
+            raise RuntimeError(f"run {run + 1} failed (exit {proc.returncode}); its output is above")
+        report = json.loads(Path(out).read_text())
+    return {
+        "seed": args.seed + run, "first": ("jqmc", "shardvmc")[run % 2], "utc": [start, utc_now()],
+        "rounds": readings, "load": load_summary(readings, args.max_load), "report": report,
+        "figures": figures(report["systems"]),
+    }  # fmt: skip
+
+
+def protocol_table(taken: dict[str, Any], systems: list[str]) -> tuple[str, dict[str, dict[str, float]]]:
+    """One row per run (counted or not) and the counted runs' medians; returns the text and the medians."""
+    import statistics
+
+    counted, keys = set(taken["counted"]), ("walker_step", "one_mha")
+    header = "| run | seed | first | UTC | load average | other processes (cores) | counted |"
+    for name in systems:
+        header += f" {name}: walker-step sv / jq | {name}: s for 1 mHa sv / jq |"
+    lines = [header, "|---" * (7 + 2 * len(systems)) + "|"]
+    for i, run in enumerate(taken["runs"]):
+        load = run["load"]
+        cells = [f"{run['figures'][n][k]:.3f}" for n in systems for k in keys]
+        lines.append(f"| {i + 1} | {run['seed']} | {run['first']} | {run['utc'][0]}-{run['utc'][1]} | "
+                     f"{load['load'][0]}-{load['load'][1]} | {load['others']} (at most {load['others_max']}) | "
+                     f"{'yes' if i in counted else 'no'} | " + " | ".join(cells) + " |")  # fmt: skip
+    medians = {
+        n: {k: statistics.median(taken["runs"][i]["figures"][n][k] for i in counted) for k in keys} for n in systems
+    }
+    cells = [f"**{medians[n][k]:.3f}**" for n in systems for k in keys]
+    lines.append(f"| median of the {len(counted)} counted | | | | | | | " + " | ".join(cells) + " |")
+    if taken["above_load"]:
+        lines.append(f"\n{taken['above_load']} counted run(s) taken above the load limit (no repeat left).")
+    return "\n".join(lines), medians
+
+
+def run_protocol(args: argparse.Namespace, argv: list[str] | None) -> None:
+    """``--runs`` independent runs by the peer protocol; the first counted run's tables and the protocol's."""
+    from harness import Protocol, independent_runs
+
+    p = Protocol(runs=args.runs, extra_runs=args.extra_runs, max_load=args.max_load)
+    start = time.perf_counter()
+    taken = independent_runs(lambda i: one_run(args, i), p)
+    first = taken["runs"][taken["counted"][0]]["report"]
+    text, medians = protocol_table(taken, args.systems)
+    text = (f"{tables(args, first['systems'])}\n\n(The tables above: run {taken['counted'][0] + 1}.) "
+            f"shardvmc over jQMC by run, and the median of the counted runs:\n\n{text}")  # fmt: skip
+    facts_text = facts(args, {**first, "wall_s": time.perf_counter() - start})
+    print("\n" + text + "\n\n" + facts_text, flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": first["args"], "medians": medians, **taken}, indent=1))
+    if args.markdown:
+        command = " ".join(["python", "benchmarks/jqmc.py", *(sys.argv[1:] if argv is None else argv)])
+        Path(args.markdown).write_text(
+            f"# jQMC and shardvmc side by side\n\nCommand: `{command}`\n\n{text}\n\n{facts_text}\n"
+        )
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.worker:
         worker(args.worker)
+        return
+    if not args.child:
+        sys.path.insert(0, str(HERE.parent))  # harness.py
+        run_protocol(args, argv)
         return
     from shardvmc.testing import set_cpu_devices  # imports jax; starts no backend
 
@@ -498,10 +622,14 @@ def main(argv: list[str] | None = None) -> None:
     if args.quick:
         print("smoke run (--quick): tiny sizes, the figures mean nothing\n")
     points = random_points(args.check_points, args.seed)
-    jq = jqmc_side(args, points)  # first, alone: one heavy process at a time
+    # one heavy process at a time; which side goes first alternates between the protocol's runs
+    if args.child == "shardvmc":
+        sv_out = shardvmc_side(args, points)
+    jq = jqmc_side(args, points)
     report["jqmc_command"] = jq["command"]
     report["jqmc_versions"] = jq["versions"]
-    sv_out = shardvmc_side(args, points)
+    if args.child == "jqmc":
+        sv_out = shardvmc_side(args, points)
     report["systems"] = compare(args, jq, sv_out)
     report["load_end"] = [round(x, 2) for x in os.getloadavg()]
     report["wall_s"] = time.perf_counter() - start

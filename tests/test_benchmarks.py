@@ -499,3 +499,49 @@ def test_cholesky_script_puts_xlas_and_the_blocked_solve_side_by_side():
     stopped = subprocess.run([*command, "--rows", "300", "--limit", "0.5"], capture_output=True, text=True,
                              timeout=240, cwd=ROOT)  # fmt: skip
     assert stopped.returncode == 0 and stopped.stdout.count("at the 0.5 s limit") == 2, stopped.stdout
+
+
+def test_jqmc_side_by_side_is_measured_by_the_protocol(harness, monkeypatch, capsys):
+    """``jqmc.py``: run i a child process from seed ``--seed`` + i with the sides in turn first, a run taken above
+    the load repeated, and per system the median over the counted runs of shardvmc's cost over jQMC's (per
+    walker-step, and for a 1 mHa error bar on the extrapolated energy)."""
+    import importlib.util
+
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    spec = importlib.util.spec_from_file_location("jqmc_benchmark", ROOT / "benchmarks" / "jqmc.py")
+    assert spec is not None and spec.loader is not None
+    jqmc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(jqmc)
+
+    args = jqmc.parse_args(["--systems", "helium", "--seed", "5", "--runs", "3"])
+    child = jqmc.parse_args(jqmc.child_argv(args, 1, "out.json"))  # what run 2's process reads
+    assert (child.seed, child.child, child.json, child.walkers, child.alats) == (6, "shardvmc", "out.json", 512,
+                                                                               [0.4, 0.3, 0.2])  # fmt: skip
+    assert jqmc.parse_args(jqmc.child_argv(args, 2, "x")).child == "jqmc"
+
+    def system(sv_seconds: float) -> dict:
+        def side(seconds: float, error: float) -> dict:
+            return {"runs": [{"seconds": seconds, "steps": 100}, {"seconds": seconds, "steps": 300}],
+                    "extrapolated": (-2.9, error)}  # fmt: skip
+
+        return {"helium": {"shardvmc": side(sv_seconds, 2e-3), "jqmc": side(2.0, 1e-3)}}
+
+    # shardvmc's seconds per run by seed; run 2 (seed 6) taken above the load
+    seconds = {5: 0.5, 6: 0.1, 7: 0.8, 8: 0.6}
+
+    def one_run(args, run):
+        seed = args.seed + run
+        return {"seed": seed, "first": ("jqmc", "shardvmc")[run % 2], "utc": ["10:00:00", "10:08:00"],
+                "load": {"above": seed == 6, "load": [0.2, 1.9], "others": 0.9 if seed == 6 else 0.02,
+                         "others_max": 1.0},
+                "figures": jqmc.figures(system(seconds[seed]))}  # fmt: skip
+
+    monkeypatch.setattr(jqmc, "one_run", one_run)
+    taken = harness.independent_runs(lambda i: jqmc.one_run(args, i), harness.Protocol(runs=3), log=lambda _: None)
+    assert [r["seed"] for r in taken["runs"]] == [5, 6, 7, 8] and taken["counted"] == [0, 2, 3]
+    text, medians = jqmc.protocol_table(taken, ["helium"])
+    # walker-step: (2 s / 400 steps) each side -> the seconds' ratio; 1 mHa: seconds x (error / 1 mHa)^2 -> x4
+    assert medians["helium"]["walker_step"] == pytest.approx(0.6 / 2.0)
+    assert medians["helium"]["one_mha"] == pytest.approx(4 * 0.6 / 2.0)
+    rows = [line for line in text.splitlines() if line.startswith("| ")][1:]
+    assert len(rows) == 5 and "| no |" in rows[1] and "**0.300**" in rows[-1] and "**1.200**" in rows[-1], text
