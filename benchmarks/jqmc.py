@@ -44,8 +44,8 @@ walker-step and, the figure of merit of a QMC run, the seconds one would need fo
 bar of 1 mHa (``seconds x (error / 1 mHa)^2``), and the extrapolated energies against the exact.
 
 **The peer protocol** (``benchmarks/harness.py``): ``--runs`` (3) independent runs, each a fresh process of
-this script (``--child``) from seed ``--seed`` + i, jQMC's side first in even runs and shardvmc's first in odd
-ones; the load average and the CPU of processes outside the benchmark sampled every few seconds; a run during
+this script (``--child``) from seed ``--seed`` + i, jQMC's side first in runs 1, 3, ... and shardvmc's in
+runs 2, 4, ...; the load average and the CPU of processes outside the benchmark sampled every few seconds; a run during
 which other processes took more than ``--max-load`` cores on average is repeated (``--extra-runs`` at most).
 Per system, two figures of shardvmc over jQMC: the cost of a walker-step (all runs' seconds over their
 steps; the same walkers on both sides) and the seconds for a 1 mHa error bar on the extrapolated energy; the
@@ -76,6 +76,7 @@ import datetime
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
 import tempfile
@@ -534,13 +535,19 @@ def one_run(args: argparse.Namespace, run: int, meter: Any = None, every: float 
         out = str(Path(folder) / "run.json")
         start, readings = utc_now(), []
         meter.reading()
-        with subprocess.Popen([sys.executable, str(HERE), *child_argv(args, run, out)]) as proc:
-            while proc.poll() is None:
-                try:
-                    proc.wait(timeout=every)
-                except subprocess.TimeoutExpired:
-                    pass
-                readings.append(meter.reading())
+        # a session of its own, so that an interrupt here can end the run and jQMC's worker under it together
+        command = [sys.executable, str(HERE), *child_argv(args, run, out)]
+        with subprocess.Popen(command, start_new_session=True) as proc:
+            try:
+                while proc.poll() is None:
+                    try:
+                        proc.wait(timeout=every)
+                    except subprocess.TimeoutExpired:
+                        pass
+                    readings.append(meter.reading())
+            except BaseException:  # an interrupt: the run does not outlive this process
+                os.killpg(proc.pid, signal.SIGKILL)
+                raise
         if proc.returncode:
             raise RuntimeError(f"run {run + 1} failed (exit {proc.returncode}); its output is above")
         report = json.loads(Path(out).read_text())
