@@ -501,7 +501,7 @@ def test_cholesky_script_puts_xlas_and_the_blocked_solve_side_by_side():
     assert stopped.returncode == 0 and stopped.stdout.count("at the 0.5 s limit") == 2, stopped.stdout
 
 
-def test_jqmc_side_by_side_is_measured_by_the_protocol(harness, monkeypatch, capsys):
+def test_jqmc_side_by_side_is_measured_by_the_protocol(harness, monkeypatch):
     """``jqmc.py``: run i a child process from seed ``--seed`` + i with the sides in turn first, a run taken above
     the load repeated, and per system the median over the counted runs of shardvmc's cost over jQMC's (per
     walker-step, and for a 1 mHa error bar on the extrapolated energy)."""
@@ -529,15 +529,14 @@ def test_jqmc_side_by_side_is_measured_by_the_protocol(harness, monkeypatch, cap
     # shardvmc's seconds per run by seed; run 2 (seed 6) taken above the load
     seconds = {5: 0.5, 6: 0.1, 7: 0.8, 8: 0.6}
 
-    def one_run(args, run):
+    def one_run(args, run):  # what jqmc.one_run returns, without the child process
         seed = args.seed + run
         return {"seed": seed, "first": ("jqmc", "shardvmc")[run % 2], "utc": ["10:00:00", "10:08:00"],
                 "load": {"above": seed == 6, "load": [0.2, 1.9], "others": 0.9 if seed == 6 else 0.02,
                          "others_max": 1.0},
                 "figures": jqmc.figures(system(seconds[seed]))}  # fmt: skip
 
-    monkeypatch.setattr(jqmc, "one_run", one_run)
-    taken = harness.independent_runs(lambda i: jqmc.one_run(args, i), harness.Protocol(runs=3), log=lambda _: None)
+    taken = harness.independent_runs(lambda i: one_run(args, i), harness.Protocol(runs=3), log=lambda _: None)
     assert [r["seed"] for r in taken["runs"]] == [5, 6, 7, 8] and taken["counted"] == [0, 2, 3]
     text, medians = jqmc.protocol_table(taken, ["helium"])
     # walker-step: (2 s / 400 steps) each side -> the seconds' ratio; 1 mHa: seconds x (error / 1 mHa)^2 -> x4

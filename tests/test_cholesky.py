@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jaxprs import equations
 
 from shardvmc import _cholesky, _natgrad
 
@@ -59,14 +60,9 @@ def test_blocked_solve_in_float32_is_as_accurate_as_xlas():
 def _primitives(jaxpr) -> set[str]:
     """The primitives of ``jaxpr`` and of every program inside it (loops, ``jit``), a Cholesky named by its size."""
     names = set()
-    for eqn in jaxpr.eqns:
+    for eqn in equations(jaxpr):
         shape = getattr(eqn.invars[0].aval, "shape", ()) if eqn.invars else ()
         names.add(f"cholesky {shape[-1]}" if eqn.primitive.name == "cholesky" else eqn.primitive.name)
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, (tuple, list)) else (value,):
-                inner = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's, or a Jaxpr
-                if hasattr(inner, "eqns"):
-                    names |= _primitives(inner)
     return names
 
 
