@@ -456,7 +456,7 @@ def shardvmc_job(walkers: int, smoke: bool) -> dict[str, Any]:
     clipping = sv.loss.ClipLogSqueeze()  # DeepQMC's median_log_squeeze_and_mask
     vmc = sv.driver.VMC(log_psi, kfac, local_energy=local_energy, sampler=sampler, clipping=clipping)
     # end of user code
-    sample = jax.jit(sampler.step)
+    sample = jax.jit(sampler.step, compiler_options=sv.compiler_options())  # docs/faq.md: a jit of your own
     positions = sv.initialize_walkers_sharded(one_walker, walkers, key=jax.random.key(SEED))
     box: dict[str, Any] = {"state": vmc.init(sv.replicate(params0), positions, width=TAU)}
     for t in range(BURN_IN):  # the burn-in at the initial parameters

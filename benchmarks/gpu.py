@@ -21,7 +21,9 @@ median over repetitions [quartiles]), all in ONE table, in the platform's dtype
   ``jax.jit(shard_map(vmap))`` at 4,096, 16,384 and 65,536 walkers (and at the largest
   count also chunked by ``batch_size``, against ``folx.batched_vmap`` in ``shard_map``),
   with walkers per second and compiled temporary memory per device; the O2
-  Slater-Jastrow local energy of ``run.py`` at 16,384 walkers.
+  Slater-Jastrow local energy of ``run.py`` at 16,384 walkers, as ``run.py`` writes it
+  (folx through ``jnp.linalg.slogdet``) and through the library (``sv.linalg.slogdet``,
+  ``sv.hamiltonian``'s Laplacian for the platform, with its error against float64).
 - **2, dispatch**: ``run.py``'s small-kernel call overhead (``sections.call_overhead``:
   decorated / jitted hand-written, each call waited for and calls queued, and the
   calibration rows), in 10 x ``--reps`` pairs of blocks of 40 calls.
@@ -58,6 +60,7 @@ Usage (from the repository root)::
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import sys
@@ -478,6 +481,35 @@ def kernel_rows(guard: Guard, mesh: Any, sizes: Sizes) -> None:
                 compare_kernels(guard, what, dec, hand, params, r, False)
 
             guard.row(8, what, run_o2)
+        # The same O2 as docs/accelerators.md writes it: sv.linalg.slogdet and sv.hamiltonian's Laplacian for the
+        # platform (a TPU's XLA has aborted compiling the rows above: folx through jnp.linalg.slogdet).
+        what = f"O2 Slater-Jastrow (sv.linalg.slogdet, sv.hamiltonian), per-walker local energy, {n} walkers"
+
+        def run_o2_library(what: str = what) -> None:
+            o2, local_energy = system.O2, o2_library_local_energy()
+            params = sv.replicate(o2.init_params(), mesh)
+            r = sv.shard_walker(o2.init_walkers(n), mesh)
+            dec = sv.walker_parallel(sv.replicated_args("params")(local_energy), mesh=mesh)
+            compare_kernels(guard, what, dec, hand_written(local_energy, mesh, "walker"), params, r, False,
+                            one=local_energy)  # fmt: skip
+
+        guard.row(8, what, run_o2_library)
+
+
+def o2_library_local_energy() -> Any:
+    """The O2 Slater-Jastrow local energy of ONE walker as docs/accelerators.md writes it for a TPU:
+    ``sv.linalg.slogdet`` for its determinants, ``sv.hamiltonian``'s Laplacian for the platform."""
+    import system
+
+    import shardvmc as sv
+
+    o2 = system.O2
+    log_psi = functools.partial(o2.log_psi, slogdet=sv.linalg.slogdet)
+
+    def local_energy(params: Any, r: Any) -> Any:
+        return sv.hamiltonian.kinetic_energy(log_psi, params, r) + o2.potential(r)
+
+    return local_energy
 
 
 def library_local_energy() -> Any:

@@ -26,6 +26,7 @@ from ._checkpoint import load_walkers as load_walkers
 from ._checkpoint import save_state as save_state
 from ._checkpoint import save_walkers as save_walkers
 from ._checkpoint import wait_for_saves as wait_for_saves
+from ._compiler import compiler_options as compiler_options
 from ._decorator import WalkerParallel as WalkerParallel
 from ._decorator import replicated_args as replicated_args
 from ._decorator import walker_parallel as walker_parallel
@@ -111,6 +112,7 @@ __all__ = [
     "all_walkers",
     "assemble_sharded",
     "clear_caches",
+    "compiler_options",
     "create_mesh",
     "distributed",
     "dmc",

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 
 from ._caches import bounded
+from ._compiler import platform_jit
 from ._decorator import WalkerParallel, walker_parallel
 from ._driver import run
 from ._errors import CallError, install, message
@@ -158,7 +159,7 @@ class VMC:
             object.__setattr__(self, "local_energy", hamiltonian_local_energy(self.log_psi, self.potential))
         energy, log_psi, clipping = self.local_energy, self.log_psi, self.clipping
         assert energy is not None
-        object.__setattr__(self, "step", jax.jit(self._step))
+        object.__setattr__(self, "step", platform_jit(self._step))
         if computes_its_loss:  # KFAC: its loss measures and clips the energies itself
             optimiser = self.optimiser.vmc_optimizer(log_psi, energy, clipping, self.mesh)
             object.__setattr__(self, "_walker_optimiser", optimiser)

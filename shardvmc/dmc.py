@@ -61,6 +61,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
+from ._compiler import platform_jit
 from ._decorator import WalkerParallel, walker_parallel
 from ._errors import CallError, describe, message
 from ._internals import tracing
@@ -278,7 +279,7 @@ class DMC:
         object.__setattr__(
             self, "evaluate", walker_parallel(batch_size=self.batch_size, **options)(_make_init(evaluate_one))
         )
-        object.__setattr__(self, "_step", jax.jit(self._traced_step, static_argnames="mesh"))
+        object.__setattr__(self, "_step", platform_jit(self._traced_step, static_argnames="mesh"))
 
     def with_options(self, **changes: Any) -> DMC:
         """The same DMC with other settings (any of the constructor's arguments), e.g. ``time_step=``.

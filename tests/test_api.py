@@ -42,6 +42,7 @@ PUBLIC = {
     "dmc",  # fixed-node diffusion Monte Carlo (a submodule)
     # the run's dtype and matrix-product precision for the platform; small determinants fast everywhere
     "precision_policy", "PrecisionPolicy", "linalg",
+    "compiler_options",  # the XLA options of the library's programs on a platform, for a jax.jit of your own
 }  # fmt: skip
 
 

@@ -544,3 +544,40 @@ def test_jqmc_side_by_side_is_measured_by_the_protocol(harness, monkeypatch):
     assert medians["helium"]["one_mha"] == pytest.approx(4 * 0.6 / 2.0)
     rows = [line for line in text.splitlines() if line.startswith("| ")][1:]
     assert len(rows) == 5 and "| no |" in rows[1] and "**0.300**" in rows[-1] and "**1.200**" in rows[-1], text
+
+
+def test_gpu_o2_row_through_the_library_computes_o2s_local_energy(harness):  # harness: benchmarks/ on the path
+    """Section 8's O2 row through the library (``sv.linalg.slogdet``, ``sv.hamiltonian``'s Laplacian) computes the
+    local energy of the folx rows (folx through ``jnp.linalg.slogdet``), both in float64 by the script's oracle,
+    called after the float32 program as the row does (an int64 NumPy index once failed there); float32 close."""
+    import gpu  # pyright: ignore[reportMissingImports]
+    import jax
+    import numpy as np
+    import system  # pyright: ignore[reportMissingImports]
+
+    import shardvmc as sv
+
+    local_energy = gpu.o2_library_local_energy()
+    params, r = system.O2.init_params(), system.O2.init_walkers(8)
+    kernel = sv.walker_parallel(sv.replicated_args("params")(local_energy), mesh=jax.make_mesh((1,), ("walkers",)))
+    with jax.enable_x64(False):  # the row's order: the kernel in float32 (a TPU's dtype), then the oracle
+        f32 = np.asarray(kernel(params, r))
+    f64 = gpu.float64_on_the_cpu(local_energy, params, r)
+    np.testing.assert_allclose(f64, gpu.float64_on_the_cpu(system.O2.local_energy, params, r), rtol=1e-10)
+    assert f32.dtype == np.float32 and f64.dtype == np.float64
+    assert np.median(np.abs(f32 - f64) / np.abs(f64)) < 1e-4
+
+
+def test_fusions_script_puts_each_program_with_and_without_ynnpack_fusions_side_by_side(tmp_path):
+    """``benchmarks/fusions.py``: per network and walker count, three programs timed with XLA's YNNPACK fusions and
+    without (``sv.compiler_options("cpu")``), in turn; a network that does not import (DeepQMC) is left out."""
+    stdout, data = _run("fusions.py", "--networks", "helium,deepqmc", "--walkers", "8,16", tmp_path=tmp_path)
+    assert data["dtype"] == "float64" and [(r["network"], r["walkers"]) for r in data["rows"]] == [
+        ("helium", 8), ("helium", 16)
+    ]  # fmt: skip
+    for row in data["rows"]:
+        for what in ("log_psi", "local energy", "sampler step"):
+            cell = row[what]
+            assert cell["with ms"] > 0 and cell["without ms"] > 0
+            assert cell["without / with"] == pytest.approx(cell["without ms"] / cell["with ms"], rel=0.5)
+    assert "| helium | 16 |" in stdout and ("deepqmc: not run" in stdout or "| deepqmc |" in stdout)

@@ -1,0 +1,96 @@
+"""The XLA options of a step's program, per platform: ``compiler_options``, ``platform_jit``.
+
+On CPUs, JAX 0.10's XLA hands small matrix products, and the operations around them, to
+YNNPACK fusions. For the few walkers per device of a VMC step they can be far slower than
+XLA's own code (docs/faq.md, "A CPU run much slower on JAX 0.10"). So the steps the library
+compiles itself (``sv.driver.VMC.step``, ``sv.dmc.DMC``'s step), called at the top level as
+``sv.driver.run`` calls them, are compiled for CPUs without them;
+``jax.jit(step, compiler_options=sv.compiler_options())`` does the same for a step of your own.
+XLA takes compiler options from the outermost program only (JAX refuses them on a nested
+``jax.jit``): a kernel or step called inside your ``jax.jit`` follows yours. ``XLA_FLAGS`` that
+name the fusions win: the library then passes no option. Other platforms get none.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+from ._caches import bounded
+from ._internals import tracing
+
+__all__ = ["compiler_options", "platform_jit"]
+
+_CPU = (("xla_cpu_experimental_ynn_fusion_type", ""),)  # an empty list of fusion types: none
+
+
+@bounded(1)
+def _accepted(options: tuple[tuple[str, str], ...]) -> bool:
+    """Whether this JAX's CPU compiler knows the options (an experimental flag a later XLA may rename)."""
+    try:
+        one = jax.device_put(1.0, jax.devices("cpu")[0])  # compiled for a CPU whatever the default backend
+        jax.jit(lambda x: x + 1, compiler_options=dict(options)).lower(one).compile()
+    except Exception:  # "No such compile option": compile as JAX does
+        return False
+    return True
+
+
+def compiler_options(platform: str | None = None) -> dict[str, str]:
+    """The XLA compiler options of the library's steps on ``platform`` (default: JAX's default backend).
+
+    On CPUs: no YNNPACK fusions (slow for the few walkers per device of a VMC step on
+    JAX 0.10), unless ``XLA_FLAGS`` names them (then the flags decide) or this JAX does
+    not know the option. Elsewhere: none. Pass them to the ``jax.jit`` of your own
+    outermost step; a nested ``jax.jit`` takes no options.
+
+    Args:
+        platform: ``"cpu"``, ``"gpu"``, ``"tpu"``...; ``None`` for ``jax.default_backend()``.
+
+    Returns:
+        A dict for ``jax.jit(..., compiler_options=...)``, empty where there is nothing to set.
+
+    Example:
+        >>> import jax, shardvmc as sv
+        >>> step = jax.jit(lambda x: x @ x.T, compiler_options=sv.compiler_options())
+        >>> sv.compiler_options("tpu")
+        {}
+    """
+    platform = jax.default_backend() if platform is None else platform
+    if platform != "cpu" or any(name in os.environ.get("XLA_FLAGS", "") for name, _ in _CPU):
+        return {}
+    return dict(_CPU) if _accepted(_CPU) else {}
+
+
+class platform_jit:  # noqa: N801  # stands in for jax.jit
+    """``jax.jit(fn, **kwargs)``, called at the top level with :func:`compiler_options` of JAX's default backend.
+
+    Inside a trace (your ``jax.jit``, ``lax.scan``...) it is the plain jit: JAX takes
+    compiler options on the outermost program only. Building it touches no device (a step
+    made before ``jax.distributed.initialize`` stays valid); ``lower``, ``trace`` and
+    ``eval_shape`` are the top-level jit's.
+    """
+
+    __slots__ = ("__wrapped__", "_fn", "_kwargs", "_nested", "_top")
+
+    def __init__(self, fn: Callable[..., Any], **kwargs: Any) -> None:
+        self._fn, self._kwargs = fn, kwargs
+        self._nested = jax.jit(fn, **kwargs)  # touches no device
+        self._top: Any = None
+        self.__wrapped__ = fn
+
+    def _top_level(self) -> Any:
+        if self._top is None:
+            options = compiler_options()
+            self._top = jax.jit(self._fn, compiler_options=options, **self._kwargs) if options else self._nested
+        return self._top
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if tracing():
+            return self._nested(*args, **kwargs)
+        return (self._top or self._top_level())(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._top_level(), name)
