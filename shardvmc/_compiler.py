@@ -73,7 +73,7 @@ class platform_jit:  # noqa: N801  # stands in for jax.jit
     ``eval_shape`` are the top-level jit's.
     """
 
-    __slots__ = ("__wrapped__", "_fn", "_kwargs", "_nested", "_top")
+    __slots__ = ("__wrapped__", "__weakref__", "_fn", "_kwargs", "_nested", "_top")  # jax.jit holds its function weakly
 
     def __init__(self, fn: Callable[..., Any], **kwargs: Any) -> None:
         self._fn, self._kwargs = fn, kwargs

@@ -6,6 +6,8 @@ level has none, inside a user's ``jax.jit`` the user's options decide, and the v
 plain program's.
 """
 
+import weakref
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -59,7 +61,7 @@ def test_platform_jit_builds_its_jit_at_first_use_with_the_options(plain_has_fus
     assert step._top is None  # the top-level jit waits for a first use (it reads the default backend)
     assert ynn_fusions(step.lower(PARAMS, walkers()).compile()) == 0  # lower, trace, ...: the jit's
     np.testing.assert_allclose(step(PARAMS, walkers()), jax.vmap(mlp, (None, 0))(PARAMS, walkers()), rtol=1e-6)
-    assert step.__wrapped__ is not None
+    assert step.__wrapped__ is not None and weakref.ref(step)() is step  # caches hold steps weakly
 
 
 def test_inside_a_users_jit_the_users_options_decide(plain_has_fusions):
@@ -75,3 +77,4 @@ def test_inside_a_users_jit_the_users_options_decide(plain_has_fusions):
     np.testing.assert_allclose(mine(PARAMS, r), 2 * jax.vmap(mlp, (None, 0))(PARAMS, r), rtol=1e-6)
     total, _ = jax.lax.scan(lambda c, _: (c + step(PARAMS, r), None), jnp.zeros(len(r)), None, length=2)
     np.testing.assert_allclose(total, 2 * jax.vmap(mlp, (None, 0))(PARAMS, r), rtol=1e-6)
+    np.testing.assert_allclose(jax.jit(step)(PARAMS, r), jax.vmap(mlp, (None, 0))(PARAMS, r), rtol=1e-6)  # jit of it
