@@ -112,8 +112,8 @@ SEED = 0
 
 
 def load_harness() -> None:
-    """``benchmarks/harness.py`` as the module ``harness`` (this folder is off ``sys.path``, see above): it imports
-    jax and shardvmc, so not in DeepQMC's interpreter; it starts no backend."""
+    """``benchmarks/harness.py`` as the module ``harness`` (this folder is off ``sys.path``, see above); it starts
+    no backend."""
     if "harness" not in sys.modules:
         import importlib.util
 
@@ -128,7 +128,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--walkers", type=int, default=WALKERS, help="walkers (DeepQMC's electron_batch_size)")
-    if "--worker" not in argv:  # DeepQMC's interpreter cannot import harness (it imports shardvmc)
+    if "--worker" not in argv:  # the protocol is the parent's: DeepQMC's worker answers requests
         load_harness()
         from harness import add_protocol_args
 
@@ -363,14 +363,16 @@ def deepqmc_training(
         return time.perf_counter() - start
 
     # The pieces, at the trained state of the first step (fit_wf's own objects are local to it: built as it builds
-    # them). A sampler step is what fit_wf's sample_wf runs; the KFAC step is its opt.step (the loss, its gradient,
-    # the curvature and the update: everything of a training step but the sampling).
+    # them). A sampler step is what fit_wf's train_step runs of the sampler: sample_wf, and update_sampler (psi at the
+    # parameters of the optimiser's step: shardvmc's sampler step does the same, refresh=True). The KFAC step is its
+    # opt.step (the loss, its gradient, the curvature and the update: everything of a training step but the sampling).
     n_dev = jax.device_count()
     state = last["state"]
     keys = jax.random.split(jax.random.PRNGKey(2), n_dev)
     mol_idxs = jnp.zeros((n_dev, 1), jnp.int32)
     smpl_state, phys_conf, _ = sample(keys, state.sampler, state.params, mol_idxs)
-    pieces["sampler step"] = lambda: sample(keys, state.sampler, state.params, mol_idxs)[0]
+    update = pmap(sampler.update)
+    pieces["sampler step"] = lambda: update(sample(keys, state.sampler, state.params, mol_idxs)[0], state.params)
     one = jax.tree_util.tree_map(lambda x: x[:, 0], state.params)  # the one electronic state, per device
     r = phys_conf.r[:, 0, 0]  # (devices, walkers per device, electrons, 3)
     conf = lambda x: PhysicalConfiguration(hamil.mol.coords, x, jnp.array(0))  # noqa: E731

@@ -1,33 +1,46 @@
-"""Two pieces of the DeepQMC comparison, one CPU device, DeepQMC's LiH ansatz of ``deepqmc.py``, 64 walkers.
+"""Two pieces of the DeepQMC comparison, DeepQMC's LiH ansatz of ``deepqmc.py``, 64 walkers.
 
-``sampler``: DeepQMC's own sampler step and shardvmc's on the same ansatz: is the gap JAX's version? Run it
-with each interpreter (shardvmc's side needs JAX >= 0.10.2; DeepQMC's runs on both, with
-``jax.device_put_replicated`` written out where JAX 0.10 removed it).
+``sampler``: DeepQMC's own sampler step and shardvmc's on the same ansatz, in one process (the same JAX),
+interleaved (``harness.interleaved``): DeepQMC's ``sample`` (what ``deepqmc.py``'s sampler piece times),
+its ``sample`` then ``update`` (what its training step runs: ``update`` recomputes ``psi`` at the new
+parameters), shardvmc's step as ``deepqmc.py`` jits it (``refresh=True``: the recomputation inside) and
+without the recomputation. Each time is the median over the rounds, each ratio the median of the
+per-round ratios to DeepQMC's ``sample`` [quartiles]. Also the operations of each program's move
+loop (the largest loop of the compiled program: its instructions by kind, and the loops inside it,
+the threefry hashes that ``jax.random`` lowers to loops on CPUs). Run it with each interpreter:
+shardvmc's side needs JAX >= 0.10.2; DeepQMC's runs on both, with ``jax.device_put_replicated``
+written out where JAX 0.10 removed it.
 
 ``kfac``: where shardvmc's KFAC step (DeepQMC's clipping) spends its time: the step, the step without
 inverting the curvature, the step with kfac-jax's own (per-device) curvature, the loss and its gradient,
-the local energy.
+the local energy (ms, the median over interleaved rounds).
 
-    export XLA_FLAGS=--xla_force_host_platform_device_count=1
+    export XLA_FLAGS=--xla_force_host_platform_device_count=8   # or 1
     python benchmarks/deepqmc_pieces.py sampler
     ~/venvs/deepqmc-1.2/bin/python benchmarks/deepqmc_pieces.py sampler
     python benchmarks/deepqmc_pieces.py kfac
 
-Prints one JSON line (``@@`` first) of median times (ms).
+Prints one JSON line (``@@`` first).
 """
 
+import collections
 import contextlib
 import importlib.util
 import json
 import os
+import re
+import statistics
 import sys
-import time
 from typing import Any
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+# before load_benchmark(): deepqmc.py takes this folder off sys.path (its name is DeepQMC's package's)
+from harness import interleaved, ratio  # noqa: E402
+
 WALKERS = 64
+ROUNDS = 41
 
 
 def load_benchmark() -> Any:
@@ -39,18 +52,41 @@ def load_benchmark() -> Any:
     return bench
 
 
-def timeit(fn: Any, reps: int = 15) -> float:
-    """The median of ``reps`` calls in ms, after two."""
-    import jax
+def medians_ms(times: dict[str, list[float]]) -> dict[str, float]:
+    """The median of each thunk's rounds of an :func:`harness.interleaved` measurement, in ms."""
+    return {name: round(1e3 * statistics.median(t), 2) for name, t in times.items()}
 
-    jax.block_until_ready(fn())
-    jax.block_until_ready(fn())
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        jax.block_until_ready(fn())
-        ts.append(time.perf_counter() - t)
-    return round(1e3 * sorted(ts)[len(ts) // 2], 2)
+
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?[\w.\-]+ = (?:\(.*?\)|\S+) ([a-z][\w\-]*)\(")  # a tuple shape has spaces
+_BODY = re.compile(r"body=%?([\w.\-]+)")
+_FREE = {"get-tuple-element", "tuple", "parameter", "constant", "bitcast"}  # no work for the runtime
+
+
+def move_loop(hlo: str) -> dict[str, Any]:
+    """The instructions of a compiled program's largest loop body by kind, and the loops inside it.
+
+    ``get-tuple-element``, ``tuple``, ``parameter``, ``constant`` and ``bitcast`` are left out. ``inner loops``
+    gives the instructions of each loop the body runs, counted the same way (a loop's condition is not counted).
+    """
+    ops: dict[str, collections.Counter] = {}
+    calls: dict[str, list[str]] = {}
+    name = ""
+    for line in hlo.splitlines():
+        if line and not line[0].isspace() and line.rstrip().endswith("{"):
+            name = line.removeprefix("ENTRY ").split()[0].lstrip("%")
+            ops[name], calls[name] = collections.Counter(), []
+        elif name and (m := _INSTRUCTION.match(line)):
+            if m.group(1) not in _FREE:
+                ops[name][m.group(1)] += 1
+            calls[name] += _BODY.findall(line)
+    loops = {b for body in calls.values() for b in body if b in ops}
+    if not loops:
+        return {}
+    largest = max(loops, key=lambda b: sum(ops[b].values()))
+    return {
+        "instructions": dict(ops[largest].most_common()),
+        "inner loops": [sum(ops[b].values()) for b in calls[largest] if b in ops],
+    }
 
 
 def shardvmc_side(bench: Any, hamil: Any, ansatz: Any) -> tuple[Any, Any, Any]:
@@ -95,18 +131,29 @@ def sampler(bench: Any, hamil: Any, ansatz: Any, params0: Any) -> dict[str, Any]
     params = pmap(lambda p: p)(replicate_on_devices(tree_stack([params0]), globally=True))
     keys = split_rng_key_to_devices(rng)
     state = initialize_sampler_state(keys, dq_sampler, params, WALKERS, [hamil.mol])
-    sample, mol = pmap(dq_sampler.sample), idx.sample()
-    out["deepqmc_sampler_ms"] = timeit(lambda: sample(keys, state, params, mol)[0])
+    sample, update, mol = pmap(dq_sampler.sample), pmap(dq_sampler.update), idx.sample()
+    thunks = {
+        "deepqmc sample": lambda: sample(keys, state, params, mol)[0],
+        # fit_wf's train_step: sample_wf, the optimiser's step, then update_sampler at the new parameters
+        "deepqmc sample + update": lambda: update(sample(keys, state, params, mol)[0], params),
+    }
+    out["move loop"] = {"deepqmc": move_loop(sample.lower(keys, state, params, mol).compile().as_text() or "")}
     try:
         import shardvmc as sv
     except ImportError as err:  # DeepQMC's own interpreter (JAX 0.4)
         out["shardvmc_error"] = f"{type(err).__name__}: {err}"[:300]
-        return out
-    log_psi, _, walkers = shardvmc_side(bench, hamil, ansatz)
-    ours = sv.mcmc.Metropolis(log_psi, n_steps=bench.DECORRELATION, target_acceptance=bench.ACCEPTANCE)
-    p = sv.replicate(params0)
-    sv_state, step = ours.init(p, walkers, width=1.0), jax.jit(ours.step)
-    out["shardvmc_sampler_ms"] = timeit(lambda: step(p, sv_state, jax.random.key(1)).walkers.data.r)
+    else:
+        log_psi, _, walkers = shardvmc_side(bench, hamil, ansatz)
+        ours = sv.mcmc.Metropolis(log_psi, n_steps=bench.DECORRELATION, target_acceptance=bench.ACCEPTANCE)
+        p, key = sv.replicate(params0), jax.random.key(1)
+        sv_state = ours.init(p, walkers, width=1.0)
+        step = jax.jit(ours.step, static_argnames="refresh", compiler_options=sv.compiler_options())  # as deepqmc.py
+        thunks["shardvmc step"] = lambda: step(p, sv_state, key).walkers.data.r
+        thunks["shardvmc step, refresh=False"] = lambda: step(p, sv_state, key, refresh=False).walkers.data.r
+        out["move loop"]["shardvmc"] = move_loop(step.lower(p, sv_state, key).compile().as_text() or "")
+    times = interleaved(thunks, reps=ROUNDS)
+    out["ms"] = medians_ms(times)
+    out["/ deepqmc sample"] = {name: str(ratio(times, name, "deepqmc sample")) for name in list(times)[1:]}
     return out
 
 
@@ -124,16 +171,17 @@ def kfac(bench: Any, hamil: Any, ansatz: Any, params0: Any) -> dict[str, Any]:
                     norm_constraint=1e-3, num_burnin_steps=0, estimation_mode="fisher_exact",
                     damping_schedule=lambda t: 1e-3, momentum_schedule=lambda t: 0.0)  # fmt: skip
 
-    def step_ms(extra: dict[str, Any]) -> float:
+    def step(extra: dict[str, Any]) -> Any:
         opt = svk.Optimizer(loss, 0.0, **settings, **extra)
         state = opt.init(params, jax.random.key(1), walkers)
-        return timeit(lambda: opt.step(params, state, key, batch=walkers)[0], reps=9)
+        return lambda: opt.step(params, state, key, batch=walkers)[0]
 
-    out = {"step": step_ms({}), "no inversion": step_ms({"inverse_update_period": 10**6})}
+    thunks = {"step": step({}), "no inversion": step({"inverse_update_period": 10**6})}
     exact = _kfac_compat.valid_walker_curvature
     _kfac_compat.valid_walker_curvature = lambda *a: contextlib.nullcontext()  # kfac-jax's own curvature
     try:
-        out["step, kfac-jax's own curvature"] = step_ms({})
+        thunks["step, kfac-jax's own curvature"] = step({})
+        jax.block_until_ready(thunks["step, kfac-jax's own curvature"]())  # traced and compiled under the patch
     finally:
         _kfac_compat.valid_walker_curvature = exact
 
@@ -141,9 +189,9 @@ def kfac(bench: Any, hamil: Any, ansatz: Any, params0: Any) -> dict[str, Any]:
     def gradient(p: sv.Replicated, r: sv.PerWalker) -> sv.Replicated:  # the loss and its gradient, as in the step
         return jax.tree.map(lambda x: jax.lax.pmean(x, "walkers"), loss(p, key, r)[1])
 
-    out["loss and gradient"] = timeit(lambda: gradient(params, walkers), reps=9)
-    out["local energy"] = timeit(lambda: energy(params, walkers), reps=9)
-    return out
+    thunks["loss and gradient"] = lambda: gradient(params, walkers)
+    thunks["local energy"] = lambda: energy(params, walkers)
+    return medians_ms(interleaved(thunks, reps=9))
 
 
 def main() -> None:

@@ -25,13 +25,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import folx
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
-
-import shardvmc as sv
 
 AXIS = "walkers"
 
@@ -445,6 +442,8 @@ def fmt_collectives(counts: dict[str, int]) -> str:
 
 def decorated_energy(system: Any, mesh: Any, output: str = "walker", batch_size: int | None = None) -> Any:
     """The local energy as a ``walker_parallel`` kernel: per-walker (``'walker'``) or ``'mean'`` output."""
+    import shardvmc as sv  # here, not at the top: deepqmc_pieces.py times with this module in DeepQMC's own venv
+
     if output == "walker":
 
         @sv.walker_parallel(mesh=mesh, batch_size=batch_size)
@@ -470,6 +469,8 @@ def hand_written(
     to the replicated input are each walker's own); a ``'mean'`` output is one ``psum``
     of the local sums.
     """
+    import folx
+
     size = mesh.shape[AXIS]
     mapped = jax.vmap(fn, (None, 0)) if batch_size is None else folx.batched_vmap(fn, batch_size, (None, 0))
 

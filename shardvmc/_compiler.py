@@ -28,11 +28,11 @@ _CPU = (("xla_cpu_experimental_ynn_fusion_type", ""),)  # an empty list of fusio
 
 
 @bounded(1)
-def _accepted(options: tuple[tuple[str, str], ...]) -> bool:
+def _accepted() -> bool:
     """Whether this JAX's CPU compiler knows the options (an experimental flag a later XLA may rename)."""
     try:
         one = jax.device_put(1.0, jax.devices("cpu")[0])  # compiled for a CPU whatever the default backend
-        jax.jit(lambda x: x + 1, compiler_options=dict(options)).lower(one).compile()
+        jax.jit(lambda x: x + 1, compiler_options=dict(_CPU)).lower(one).compile()
     except Exception:  # "No such compile option": compile as JAX does
         return False
     return True
@@ -61,7 +61,7 @@ def compiler_options(platform: str | None = None) -> dict[str, str]:
     platform = jax.default_backend() if platform is None else platform
     if platform != "cpu" or any(name in os.environ.get("XLA_FLAGS", "") for name, _ in _CPU):
         return {}
-    return dict(_CPU) if _accepted(_CPU) else {}
+    return dict(_CPU) if _accepted() else {}
 
 
 class platform_jit:  # noqa: N801  # stands in for jax.jit
@@ -73,18 +73,17 @@ class platform_jit:  # noqa: N801  # stands in for jax.jit
     ``eval_shape`` are the top-level jit's.
     """
 
-    __slots__ = ("__wrapped__", "__weakref__", "_fn", "_kwargs", "_nested", "_top")  # jax.jit holds its function weakly
+    __slots__ = ("__wrapped__", "__weakref__", "_kwargs", "_nested", "_top")  # jax.jit holds its function weakly
 
     def __init__(self, fn: Callable[..., Any], **kwargs: Any) -> None:
-        self._fn, self._kwargs = fn, kwargs
+        self.__wrapped__, self._kwargs = fn, kwargs
         self._nested = jax.jit(fn, **kwargs)  # touches no device
         self._top: Any = None
-        self.__wrapped__ = fn
 
     def _top_level(self) -> Any:
         if self._top is None:
             options = compiler_options()
-            self._top = jax.jit(self._fn, compiler_options=options, **self._kwargs) if options else self._nested
+            self._top = jax.jit(self.__wrapped__, compiler_options=options, **self._kwargs) if options else self._nested
         return self._top
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:

@@ -337,6 +337,70 @@ def harness():
         sys.path.remove(str(ROOT / "benchmarks"))
 
 
+def test_harness_imports_without_shardvmc_or_folx():
+    """``deepqmc_pieces.py`` times with ``harness`` in DeepQMC's own interpreter, which has neither."""
+    code = "import sys; sys.modules['shardvmc'] = sys.modules['folx'] = None; import harness; harness.interleaved"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT / "benchmarks")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+_LOOPS_HLO = """HloModule jit_step
+
+%fused_computation (param_0: f32[8]) -> f32[8] {
+  %param_0 = f32[8]{0} parameter(0)
+  ROOT %tanh.1 = f32[8]{0} tanh(%param_0)
+}
+
+%hash_body (p: (s32[], u32[8])) -> (s32[], u32[8]) {
+  %p = (s32[], u32[8]{0}) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %x = u32[8]{0} get-tuple-element(%p), index=1
+  %copy.1 = s32[] copy(%i)
+  %add_fusion = u32[8]{0} fusion(%x), kind=kLoop, calls=%fused_computation
+  ROOT %t = (s32[], u32[8]{0}) tuple(%copy.1, %add_fusion)
+}
+
+%move_body (p: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %p = (s32[], f32[8]{0}) parameter(0)
+  %x = f32[8]{0} get-tuple-element(%p), index=1
+  %w.1 = (s32[], u32[8]{0}) while(%p), condition=%cond, body=%hash_body
+  %w.2 = (s32[], u32[8]{0}) while(%p), condition=%cond, body=%hash_body
+  %dot.3 = f32[8,8]{1,0} dot(%x, %x), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %tanh_fusion = f32[8]{0} fusion(%x), kind=kLoop, calls=%fused_computation
+  %tanh_fusion.2 = f32[8]{0} fusion(%x), kind=kLoop, calls=%fused_computation
+  %bitcast.4 = f32[8]{0} bitcast(%x)
+  ROOT %t = (s32[], f32[8]{0}) tuple(%x, %x)
+}
+
+ENTRY %main.9 (Arg_0.1: f32[8]) -> f32[8] {
+  %Arg_0.1 = f32[8]{0} parameter(0)
+  %constant.2 = s32[] constant(0)
+  %while.7 = (s32[], f32[8]{0}) while(%Arg_0.1), condition=%cond, body=%move_body
+  ROOT %gte = f32[8]{0} get-tuple-element(%while.7), index=1
+}
+"""
+
+
+def test_move_loop_counts_the_work_of_the_largest_loop_body_and_its_inner_loops(monkeypatch):
+    """``deepqmc_pieces.move_loop``: the sampler's move loop by instruction kind (no work for tuples, parameters,
+    constants, bitcasts), and the loops it runs (the threefry hashes of ``jax.random`` on CPUs)."""
+    import importlib.util
+
+    import jax
+    import jax.numpy as jnp
+
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the module puts benchmarks/ on it
+    spec = importlib.util.spec_from_file_location("deepqmc_pieces", ROOT / "benchmarks" / "deepqmc_pieces.py")
+    assert spec is not None and spec.loader is not None
+    pieces = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pieces)
+    census = pieces.move_loop(_LOOPS_HLO)
+    assert census == {"instructions": {"while": 2, "fusion": 2, "dot": 1}, "inner loops": [2, 2]}
+    assert pieces.move_loop(jax.jit(jnp.tanh).lower(jnp.ones(3)).compile().as_text()) == {}
+    looped = jax.jit(lambda x: jax.lax.fori_loop(0, 3, lambda i, y: jnp.tanh(y @ y), x)).lower(jnp.ones((4, 4)))
+    assert pieces.move_loop(looped.compile().as_text())["instructions"]
+
+
 def _idle_meter(harness, others=0.0, load=0.3):
     """A LoadMeter whose clock advances 1 s a reading, while other processes take ``others`` cores."""
     state = {"t": 0.0, "busy": 0, "own": 0}
