@@ -1,8 +1,8 @@
 """Two pieces of the DeepQMC comparison, DeepQMC's LiH ansatz of ``deepqmc.py``, 64 walkers.
 
 ``sampler``: DeepQMC's own sampler step and shardvmc's on the same ansatz, in one process (the same JAX),
-interleaved (``harness.interleaved``): DeepQMC's ``sample`` (what ``deepqmc.py``'s sampler piece times),
-its ``sample`` then ``update`` (what its training step runs: ``update`` recomputes ``psi`` at the new
+interleaved (``harness.interleaved``): DeepQMC's ``sample``, its ``sample`` then ``update`` (what its
+training step runs, and ``deepqmc.py``'s sampler piece times: ``update`` recomputes ``psi`` at the new
 parameters), shardvmc's step as ``deepqmc.py`` jits it (``refresh=True``: the recomputation inside) and
 without the recomputation. Each time is the median over the rounds, each ratio the median of the
 per-round ratios to DeepQMC's ``sample`` [quartiles]. Also the operations of each program's move
