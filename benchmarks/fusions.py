@@ -134,7 +134,8 @@ def rows_of(name: str, walker_counts: list[int], dtype: Any) -> list[dict[str, A
                 b = median_ms(lambda: without(*args))
                 readings.append((a, b, b / a))
             a, b, ratio = (sorted(x)[2] for x in zip(*readings))
-            row[what] = {"with ms": round(a, 3), "without ms": round(b, 3), "without / with": round(ratio, 3)}
+            row[what] = {"with ms": round(a, 3), "without ms": round(b, 3), "without / with": round(ratio, 3),
+                         "readings (with ms, without ms, without / with)": readings}  # fmt: skip
         print(json.dumps(row), flush=True)
         rows.append(row)
     return rows
