@@ -3,13 +3,14 @@
 ``sampler``: DeepQMC's own sampler step and shardvmc's on the same ansatz, in one process (the same JAX),
 interleaved (``harness.interleaved``): DeepQMC's ``sample``, its ``sample`` then ``update`` (what its
 training step runs, and ``deepqmc.py``'s sampler piece times: ``update`` recomputes ``psi`` at the new
-parameters), shardvmc's step as ``deepqmc.py`` jits it (``refresh=True``: the recomputation inside) and
-without the recomputation. Each time is the median over the rounds, each ratio the median of the
-per-round ratios to DeepQMC's ``sample`` [quartiles]. Also the operations of each program's move
-loop (the largest loop of the compiled program: its instructions by kind, and the loops inside it,
-the threefry hashes that ``jax.random`` lowers to loops on CPUs). Run it with each interpreter:
-shardvmc's side needs JAX >= 0.10.2; DeepQMC's runs on both, with ``jax.device_put_replicated``
-written out where JAX 0.10 removed it.
+parameters), shardvmc's step as ``deepqmc.py`` jits it (``refresh=True``: the recomputation inside),
+without the recomputation and, where ``sv.compiler_options()`` makes matrix products single-threaded
+(the devices fill the cores), with Eigen's multi-threaded products. Each time is the median over the
+rounds, each ratio the median of the per-round ratios to DeepQMC's ``sample`` [quartiles]. Also the
+operations of each program's move loop (the largest loop of the compiled program: its instructions by
+kind, and the loops inside it, the threefry hashes that ``jax.random`` lowers to loops on CPUs). Run
+it with each interpreter: shardvmc's side needs JAX >= 0.10.2; DeepQMC's runs on both, with
+``jax.device_put_replicated`` written out where JAX 0.10 removed it.
 
 ``kfac``: where shardvmc's KFAC step (DeepQMC's clipping) spends its time: the step, the step without
 inverting the curvature, the step with kfac-jax's own (per-device) curvature, the loss and its gradient,
@@ -41,6 +42,7 @@ from harness import interleaved, ratio  # noqa: E402
 
 WALKERS = 64
 ROUNDS = 41
+MULTI_THREAD = "xla_cpu_multi_thread_eigen"  # sv.compiler_options() turns it off where the CPU devices fill the cores
 
 
 def load_benchmark() -> Any:
@@ -147,9 +149,13 @@ def sampler(bench: Any, hamil: Any, ansatz: Any, params0: Any) -> dict[str, Any]
         ours = sv.mcmc.Metropolis(log_psi, n_steps=bench.DECORRELATION, target_acceptance=bench.ACCEPTANCE)
         p, key = sv.replicate(params0), jax.random.key(1)
         sv_state = ours.init(p, walkers, width=1.0)
-        step = jax.jit(ours.step, static_argnames="refresh", compiler_options=sv.compiler_options())  # as deepqmc.py
+        options = sv.compiler_options()
+        step = jax.jit(ours.step, static_argnames="refresh", compiler_options=options)  # as deepqmc.py
         thunks["shardvmc step"] = lambda: step(p, sv_state, key).walkers.data.r
         thunks["shardvmc step, refresh=False"] = lambda: step(p, sv_state, key, refresh=False).walkers.data.r
+        if options.pop(MULTI_THREAD, True) is False:  # the devices fill the cores: the step with Eigen's pool too
+            pooled = jax.jit(ours.step, static_argnames="refresh", compiler_options=options)
+            thunks["shardvmc step, multi-threaded products"] = lambda: pooled(p, sv_state, key).walkers.data.r
         out["move loop"]["shardvmc"] = move_loop(step.lower(p, sv_state, key).compile().as_text() or "")
     times = interleaved(thunks, reps=ROUNDS)
     out["ms"] = medians_ms(times)

@@ -2,13 +2,18 @@
 
 On CPUs, JAX 0.10's XLA hands small matrix products, and the operations around them, to
 YNNPACK fusions. For the few walkers per device of a VMC step they can be far slower than
-XLA's own code (docs/faq.md, "A CPU run much slower on JAX 0.10"). So the steps the library
-compiles itself (``sv.driver.VMC.step``, ``sv.dmc.DMC``'s step), called at the top level as
-``sv.driver.run`` calls them, are compiled for CPUs without them;
-``jax.jit(step, compiler_options=sv.compiler_options())`` does the same for a step of your own.
-XLA takes compiler options from the outermost program only (JAX refuses them on a nested
-``jax.jit``): a kernel or step called inside your ``jax.jit`` follows yours. ``XLA_FLAGS`` that
-name the fusions win: the library then passes no option. Other platforms get none.
+XLA's own code (docs/faq.md, "A CPU run much slower on JAX 0.10"). And where a process has
+at least as many CPU devices as cores (fake devices on a workstation), every device already
+runs its program on a thread of its own: Eigen's thread pool, which XLA's matrix products
+share, then adds only hand-offs between threads (a quarter of DeepQMC's sampler step on 8
+devices and 2 cores). So the steps the library compiles itself (``sv.driver.VMC.step``,
+``sv.dmc.DMC``'s step), called at the top level as ``sv.driver.run`` calls them, are
+compiled for CPUs without the fusions, and with single-threaded products where the devices
+fill the cores; ``jax.jit(step, compiler_options=sv.compiler_options())`` does the same for
+a step of your own. XLA takes compiler options from the outermost program only (JAX refuses
+them on a nested ``jax.jit``): a kernel or step called inside your ``jax.jit`` follows yours.
+``XLA_FLAGS`` that name an option win: the library then does not pass that one. Other
+platforms get none.
 """
 
 from __future__ import annotations
@@ -24,27 +29,39 @@ from ._internals import tracing
 
 __all__ = ["compiler_options", "platform_jit"]
 
-_CPU = (("xla_cpu_experimental_ynn_fusion_type", ""),)  # an empty list of fusion types: none
+_Option = tuple[str, str | bool]
+_NO_YNN: _Option = ("xla_cpu_experimental_ynn_fusion_type", "")  # an empty list of fusion types: none
+_ONE_THREAD: _Option = ("xla_cpu_multi_thread_eigen", False)
 
 
-@bounded(1)
-def _accepted() -> bool:
-    """Whether this JAX's CPU compiler knows the options (an experimental flag a later XLA may rename)."""
+@bounded(2)
+def _accepted(option: _Option) -> bool:
+    """Whether this JAX's CPU compiler knows ``option`` (an experimental flag a later XLA may rename)."""
     try:
         one = jax.device_put(1.0, jax.devices("cpu")[0])  # compiled for a CPU whatever the default backend
-        jax.jit(lambda x: x + 1, compiler_options=dict(_CPU)).lower(one).compile()
+        jax.jit(lambda x: x + 1, compiler_options=dict([option])).lower(one).compile()
     except Exception:  # "No such compile option": compile as JAX does
         return False
     return True
 
 
-def compiler_options(platform: str | None = None) -> dict[str, str]:
+def _cores() -> int:
+    """The cores this process may run on (its affinity: what a job scheduler gave it)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def compiler_options(platform: str | None = None) -> dict[str, str | bool]:
     """The XLA compiler options of the library's steps on ``platform`` (default: JAX's default backend).
 
     On CPUs: no YNNPACK fusions (slow for the few walkers per device of a VMC step on
-    JAX 0.10), unless ``XLA_FLAGS`` names them (then the flags decide) or this JAX does
-    not know the option. Elsewhere: none. Pass them to the ``jax.jit`` of your own
-    outermost step; a nested ``jax.jit`` takes no options.
+    JAX 0.10); and, where this process has at least as many CPU devices as cores,
+    single-threaded matrix products (each device already holds a core). An option that
+    ``XLA_FLAGS`` names is left to the flags, and one this JAX does not know is left
+    out. Elsewhere: none. Pass them to the ``jax.jit`` of your own outermost step; a
+    nested ``jax.jit`` takes no options.
 
     Args:
         platform: ``"cpu"``, ``"gpu"``, ``"tpu"``...; ``None`` for ``jax.default_backend()``.
@@ -59,9 +76,15 @@ def compiler_options(platform: str | None = None) -> dict[str, str]:
         {}
     """
     platform = jax.default_backend() if platform is None else platform
-    if platform != "cpu" or any(name in os.environ.get("XLA_FLAGS", "") for name, _ in _CPU):
+    if platform != "cpu":
         return {}
-    return dict(_CPU) if _accepted() else {}
+    options: list[_Option] = [_NO_YNN]
+    # Each device runs its program on a thread of its own: with a device on every core, a product split over
+    # Eigen's pool only waits for threads the other devices hold.
+    if jax.local_device_count("cpu") >= _cores():
+        options.append(_ONE_THREAD)
+    flags = os.environ.get("XLA_FLAGS", "")
+    return {name: value for name, value in options if name not in flags and _accepted((name, value))}
 
 
 class platform_jit:  # noqa: N801  # stands in for jax.jit

@@ -38,6 +38,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import numbers
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -354,51 +355,78 @@ def _make_moves(log_psi: Callable[..., Any], n_steps: int, move: str) -> Callabl
         lp = log_abs(params, x) if refresh else walker.log_psi.astype(dtype)
         if move == "gaussian":
 
-            def step(i: jax.Array, carry: tuple[jax.Array, jax.Array, jax.Array]) -> Any:
-                return _gaussian_update(log_abs, params, carry, jax.random.fold_in(key, i), w, None)
+            def step(i: jax.Array, numbers: tuple[jax.Array, jax.Array], carry: Any) -> Any:
+                return _gaussian_update(log_abs, params, carry, *numbers, w, None)
 
-            x, lp, accepted = jax.lax.fori_loop(0, n_steps, step, (x, lp, zero))
+            draw = functools.partial(_draws, key, shape=x.shape, dtype=dtype)
+            x, lp, accepted = _moves_in_blocks(n_steps, draw, step, (x, lp, zero))
             return Walker(x, lp), accepted / n_steps
         n_electrons = x.shape[0]
 
-        def sweep(i: jax.Array, carry: tuple[jax.Array, jax.Array, jax.Array]) -> Any:
-            k = jax.random.fold_in(key, i)
+        def draw_sweep(i: jax.Array) -> tuple[jax.Array, jax.Array]:  # electron e of sweep i: fold_in(key_i, e)
+            electron = functools.partial(_draws, jax.random.fold_in(key, i), shape=x.shape[1:], dtype=dtype)
+            return jax.vmap(electron)(jnp.arange(n_electrons))
 
+        def sweep(i: jax.Array, numbers: tuple[jax.Array, jax.Array], carry: Any) -> Any:
             def one(e: jax.Array, c: tuple[jax.Array, jax.Array, jax.Array]) -> Any:
-                return _gaussian_update(log_abs, params, c, jax.random.fold_in(k, e), w, e)
+                return _gaussian_update(log_abs, params, c, numbers[0][e], numbers[1][e], w, e)
 
             return jax.lax.fori_loop(0, n_electrons, one, carry)
 
-        x, lp, accepted = jax.lax.fori_loop(0, n_steps, sweep, (x, lp, zero))
+        x, lp, accepted = _moves_in_blocks(n_steps, draw_sweep, sweep, (x, lp, zero))
         return Walker(x, lp), accepted / (n_steps * n_electrons)
 
     moves.__qualname__ = "Metropolis.kernel"
     return moves
 
 
-def _accept(key: jax.Array, log_ratio: jax.Array) -> jax.Array:
-    """Metropolis-Hastings acceptance: ``log u < log_ratio`` (a NaN ratio rejects)."""
-    return jnp.log(jax.random.uniform(key, (), log_ratio.dtype)) < log_ratio
+_BLOCK = 32  # moves whose random numbers are drawn together: a few positions' worth of memory per walker
+
+
+def _draws(key: jax.Array, i: jax.Array, shape: tuple[int, ...], dtype: Any) -> tuple[jax.Array, jax.Array]:
+    """Move ``i``'s random numbers from ``fold_in(key, i)``: ``N(0, 1)`` of ``shape``, and ``log U(0, 1)``."""
+    k_move, k_accept = jax.random.split(jax.random.fold_in(key, i))
+    return jax.random.normal(k_move, shape, dtype), jnp.log(jax.random.uniform(k_accept, (), dtype))
+
+
+def _moves_in_blocks(n_steps: int, draw: Callable[[jax.Array], Any], move: Callable[..., Any], carry: Any) -> Any:
+    """``carry = move(i, draw(i), carry)`` for ``i`` in ``range(n_steps)``, each block of moves' draws made first.
+
+    Drawn inside the loop, each move hashes its keys (threefry, a loop of its own on CPUs) between the network's
+    operations: a tenth of a small network's move on a CPU. Drawn a block at a time, every move still gets the
+    numbers of its own keys (the chains do not change) and the memory stays a block of positions per walker.
+    """
+    size = min(n_steps, _BLOCK)
+
+    def block(b: Any, carry: Any) -> Any:
+        start = b * size
+        numbers = jax.vmap(draw)(start + jnp.arange(size))
+        stop = min(size, n_steps - start) if isinstance(start, int) else jnp.minimum(size, n_steps - start)
+        return jax.lax.fori_loop(0, stop, lambda j, c: move(start + j, jax.tree.map(lambda a: a[j], numbers), c), carry)
+
+    if n_steps <= size:
+        return block(0, carry)
+    return jax.lax.fori_loop(0, -(-n_steps // size), block, carry)
 
 
 def _gaussian_update(
     log_abs: Callable[..., jax.Array],
     params: Any,
     carry: tuple[jax.Array, jax.Array, jax.Array],
-    key: jax.Array,
+    noise: jax.Array,
+    log_u: jax.Array,
     width: jax.Array,
     electron: jax.Array | None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """One symmetric Gaussian proposal, of all positions or of row ``electron``, accepted or rejected."""
+    """One symmetric Gaussian proposal, of all positions or of row ``electron``, accepted or rejected.
+
+    ``noise`` is the proposal's ``N(0, 1)``, ``log_u`` the acceptance's ``log U(0, 1)``: accepted where
+    ``log_u < 2 (log|psi'| - log|psi|)`` (a NaN ratio rejects).
+    """
     x, lp, accepted = carry
-    k_move, k_accept = jax.random.split(key)
-    if electron is None:
-        proposal = x + width * jax.random.normal(k_move, x.shape, x.dtype)
-    else:
-        shift = width * jax.random.normal(k_move, x.shape[1:], x.dtype)
-        proposal = x.at[electron].add(shift)
+    proposal = x + width * noise if electron is None else x.at[electron].add(width * noise)
     lp_new = log_abs(params, proposal)
-    accept = _accept(k_accept, 2.0 * (lp_new - lp))
+    accept = log_u < 2.0 * (lp_new - lp)
     return jnp.where(accept, proposal, x), jnp.where(accept, lp_new, lp), accepted + accept.astype(x.dtype)
 
 
@@ -416,16 +444,15 @@ def _mala(
     value_and_grad = jax.value_and_grad(log_abs, argnums=1)
     tau = width * width
 
-    def step(i: jax.Array, carry: tuple[jax.Array, jax.Array, jax.Array, jax.Array]) -> Any:
+    def step(i: jax.Array, numbers: tuple[jax.Array, jax.Array], carry: Any) -> Any:
         x, lp, g, accepted = carry
-        k_move, k_accept = jax.random.split(jax.random.fold_in(key, i))
-        noise = jax.random.normal(k_move, x.shape, x.dtype)
+        noise, log_u = numbers
         proposal = x + tau * g + width * noise
         lp_new, g_new = value_and_grad(params, proposal)
         # log q(x | x') - log q(x' | x), q(b | a) = N(b; a + tau grad log|psi|(a), tau)
         backward = x - proposal - tau * g_new
         log_q_ratio = -jnp.sum(backward**2) / (2.0 * tau) + 0.5 * jnp.sum(noise**2)
-        accept = _accept(k_accept, 2.0 * (lp_new - lp) + log_q_ratio)
+        accept = log_u < 2.0 * (lp_new - lp) + log_q_ratio  # a NaN ratio rejects
         return (
             jnp.where(accept, proposal, x),
             jnp.where(accept, lp_new, lp),
@@ -433,5 +460,6 @@ def _mala(
             accepted + accept.astype(x.dtype),
         )
 
-    x, lp, _, accepted = jax.lax.fori_loop(0, n_steps, step, (x, lp, grad, jnp.zeros((), x.dtype)))
+    draw = functools.partial(_draws, key, shape=x.shape, dtype=x.dtype)
+    x, lp, _, accepted = _moves_in_blocks(n_steps, draw, step, (x, lp, grad, jnp.zeros((), x.dtype)))
     return x, lp, accepted

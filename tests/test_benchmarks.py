@@ -635,7 +635,8 @@ def test_gpu_o2_row_through_the_library_computes_o2s_local_energy(harness):  # h
 
 def test_fusions_script_puts_each_program_with_and_without_ynnpack_fusions_side_by_side(tmp_path):
     """``benchmarks/fusions.py``: per network and walker count, three programs timed with XLA's YNNPACK fusions and
-    without (``sv.compiler_options("cpu")``), in turn; a network that does not import (DeepQMC) is left out."""
+    without (``sv.compiler_options("cpu")``'s option for them), in turn; a network that does not import (DeepQMC)
+    is left out."""
     stdout, data = _run("fusions.py", "--networks", "helium,deepqmc", "--walkers", "8,16", tmp_path=tmp_path)
     assert data["dtype"] == "float64" and [(r["network"], r["walkers"]) for r in data["rows"]] == [
         ("helium", 8), ("helium", 16)

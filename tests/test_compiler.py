@@ -1,4 +1,5 @@
-"""The XLA options of the library's steps (``shardvmc._compiler``): no YNNPACK fusions in their CPU programs.
+"""The XLA options of the library's steps (``shardvmc._compiler``): no YNNPACK fusions in their CPU programs,
+and single-threaded matrix products where the CPU devices fill the cores.
 
 Read from the compiled programs: a plain ``jax.jit`` of the same function has such fusions on
 this JAX; ``platform_jit``'s (``sv.driver.VMC.step``, ``sv.dmc.DMC``'s step) called at the top
@@ -14,6 +15,7 @@ import numpy as np
 import pytest
 
 import shardvmc as sv
+from shardvmc import _compiler
 from shardvmc._compiler import platform_jit
 
 W1 = jnp.linspace(-1.0, 1.0, 16 * 32).reshape(16, 32)
@@ -46,14 +48,35 @@ def plain_has_fusions():
     return True
 
 
-def test_the_options_by_platform(monkeypatch):
+NO_YNN = {"xla_cpu_experimental_ynn_fusion_type": ""}
+ONE_THREAD = {"xla_cpu_multi_thread_eigen": False}
+
+
+def test_the_options_by_platform_and_by_cores(monkeypatch):
     monkeypatch.delenv("XLA_FLAGS", raising=False)
-    assert sv.compiler_options("cpu") == {"xla_cpu_experimental_ynn_fusion_type": ""}
+    devices = jax.local_device_count("cpu")
+    monkeypatch.setattr(_compiler, "_cores", lambda: devices + 1)  # a core to spare: Eigen's pool may use it
+    assert sv.compiler_options("cpu") == NO_YNN
+    monkeypatch.setattr(_compiler, "_cores", lambda: devices)  # a device on every core
+    assert sv.compiler_options("cpu") == NO_YNN | ONE_THREAD
     assert sv.compiler_options("tpu") == {} and sv.compiler_options("gpu") == {}
     assert sv.compiler_options() == sv.compiler_options(jax.default_backend())
-    # flags that name the fusions decide: the library passes nothing
+    # flags that name an option decide it: the library does not pass that one
     monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_cpu_experimental_ynn_fusion_type=")
+    assert sv.compiler_options("cpu") == ONE_THREAD
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_experimental_ynn_fusion_type= --xla_cpu_multi_thread_eigen=true")
     assert sv.compiler_options("cpu") == {}
+
+
+def test_single_threaded_products_compute_what_the_plain_program_does(monkeypatch):
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    monkeypatch.setattr(_compiler, "_cores", lambda: 1)
+    options = sv.compiler_options("cpu")
+    assert options == NO_YNN | ONE_THREAD  # this JAX knows both (else the library would leave them out)
+    big = jnp.linspace(-1.0, 1.0, 256 * 256).reshape(256, 256)  # large enough for Eigen to split
+    np.testing.assert_allclose(
+        jax.jit(lambda a: jnp.tanh(a @ a.T) @ a, compiler_options=options)(big), jnp.tanh(big @ big.T) @ big, rtol=2e-5
+    )
 
 
 def test_platform_jit_builds_its_jit_at_first_use_with_the_options(plain_has_fusions):

@@ -133,6 +133,48 @@ def test_chains_are_the_same_on_1_3_and_8_devices():
         jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-6, atol=1e-6), results[:3], other)
 
 
+def _chain_written_out(log_psi, params, x, key, width, n_steps, move):
+    """One walker's chain move by move, as the module states it: move ``i`` proposes with the normal of
+    ``split(fold_in(key, i))[0]`` and accepts where the log of the uniform of ``[1]`` is below
+    ``2 (log|psi'| - log|psi|)``; in a sweep, electron ``e`` draws from ``fold_in(fold_in(key, i), e)``."""
+
+    @jax.jit
+    def proposal(x, k, e):
+        k_move, k_accept = jax.random.split(k)
+        noise = jax.random.normal(k_move, x.shape[1:] if move == "one-electron" else x.shape, x.dtype)
+        moved = x.at[e].add(width * noise) if move == "one-electron" else x + width * noise
+        return moved, jnp.real(log_psi(params, moved)), jnp.log(jax.random.uniform(k_accept, (), x.dtype))
+
+    lp, accepted = jnp.real(log_psi(params, x)), 0
+    for i in range(n_steps):
+        k = jax.random.fold_in(key, i)
+        for e, sub in enumerate([jax.random.fold_in(k, e) for e in range(len(x))] if move == "one-electron" else [k]):
+            moved, lp_moved, log_u = proposal(x, sub, e)
+            if log_u < 2.0 * (lp_moved - lp):
+                x, lp, accepted = moved, lp_moved, accepted + 1
+    return np.asarray(x), accepted
+
+
+@pytest.mark.usefixtures("x64")
+@pytest.mark.parametrize("move", ["gaussian", "one-electron"])
+def test_each_move_draws_from_its_own_keys_across_blocks_of_draws(move):
+    """35 moves (the sampler draws its random numbers 32 moves at a time: a full block and a part of one) are the
+    chain written out move by move from each walker's key ``fold_in(key, walker)``, on 3 devices."""
+    sampler = Metropolis(gaussian_with_phase, n_steps=35, move=move, adapt_rate=0.0, mesh=_mesh(3))
+    alpha, key, walkers = jnp.float64(ALPHA), jax.random.key(11), _walkers(3, _mesh(3))
+    state = sampler.step(alpha, sampler.init(alpha, walkers, width=0.6), key)
+    moves = 35 * (2 if move == "one-electron" else 1)
+    total = 0
+    for w in range(3):
+        x, accepted = _chain_written_out(
+            gaussian_with_phase, alpha, walkers.data[w], jax.random.fold_in(key, w), 0.6, 35, move
+        )
+        np.testing.assert_allclose(np.asarray(state.walkers.data.r[w]), x, rtol=1e-12, atol=1e-12)
+        total += accepted
+    assert 0 < total < 3 * moves  # moves accepted and rejected both
+    np.testing.assert_allclose(float(state.acceptance), total / (3 * moves), rtol=1e-12)
+
+
 def test_chunked_moves_equal_unchunked():
     """batch_size= bounds memory without changing the chains."""
     sampler = Metropolis(gaussian, n_steps=2, move="one-electron")
