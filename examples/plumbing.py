@@ -20,6 +20,7 @@ def start(devices: int) -> Any:
         pass
     if sv.distributed.is_launched():  # under python -m shardvmc.launch: join the other processes first
         sv.distributed.initialize()
+    sv.enable_compilation_cache()  # the next run of the job loads its compiled programs ($SHARDVMC_COMPILATION_CACHE)
     chosen = jax.devices()
     return sv.create_mesh(chosen[:devices] if chosen[0].platform == "cpu" and jax.process_count() == 1 else chosen)
 

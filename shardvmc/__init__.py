@@ -58,6 +58,7 @@ from ._mesh import n_devices as n_devices
 from ._mesh import use_mesh as use_mesh
 from ._natgrad import NaturalGradientInfo as NaturalGradientInfo
 from ._natgrad import natural_gradient as natural_gradient
+from ._persistent_cache import enable_compilation_cache as enable_compilation_cache
 from ._placement import assemble_sharded as assemble_sharded
 from ._placement import gather_walkers as gather_walkers
 from ._placement import pad_n_walkers as pad_n_walkers
@@ -117,6 +118,7 @@ __all__ = [
     "distributed",
     "dmc",
     "driver",
+    "enable_compilation_cache",
     "gather_walkers",
     "get_replicated_sharding",
     "get_vmap_fn",

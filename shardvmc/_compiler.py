@@ -6,12 +6,14 @@ XLA's own code (docs/faq.md, "A CPU run much slower on JAX 0.10"). And where a p
 at least as many CPU devices as cores (fake devices on a workstation), every device already
 runs its program on a thread of its own: Eigen's thread pool, which XLA's matrix products
 share, then adds only hand-offs between threads (a quarter of DeepQMC's sampler step on 8
-devices and 2 cores). So the steps the library compiles itself (``sv.driver.VMC.step``,
-``sv.dmc.DMC``'s step), called at the top level as ``sv.driver.run`` calls them, are
-compiled for CPUs without the fusions, and with single-threaded products where the devices
-fill the cores; ``jax.jit(step, compiler_options=sv.compiler_options())`` does the same for
-a step of your own. XLA takes compiler options from the outermost program only (JAX refuses
-them on a nested ``jax.jit``): a kernel or step called inside your ``jax.jit`` follows yours.
+devices and 2 cores). And XLA's concurrency-optimised scheduler can deadlock a large CPU
+program (a FermiNet-size local energy never returned, every thread idle on a futex). So every
+program the library compiles itself, called at the top level (a kernel's, ``sv.driver.VMC.step``,
+``sv.dmc.DMC``'s step), is compiled for CPUs without the fusions and without that scheduler,
+and with single-threaded products where the devices fill the cores;
+``jax.jit(step, compiler_options=sv.compiler_options())`` does the same for a step of your
+own. XLA takes compiler options from the outermost program only (JAX refuses them on a
+nested ``jax.jit``): a kernel or step called inside your ``jax.jit`` follows yours.
 ``XLA_FLAGS`` that name an option win: the library then does not pass that one. Other
 platforms get none.
 """
@@ -32,9 +34,13 @@ __all__ = ["compiler_options", "platform_jit"]
 _Option = tuple[str, str | bool]
 _NO_YNN: _Option = ("xla_cpu_experimental_ynn_fusion_type", "")  # an empty list of fusion types: none
 _ONE_THREAD: _Option = ("xla_cpu_multi_thread_eigen", False)
+# XLA's concurrency-optimised scheduler of CPU programs can deadlock a large one (every thread idle on a futex,
+# the call never returns: a FermiNet-size local energy on its first call, a step with a Jacobian and a solve on its
+# second; jaxlib 0.10.2). Without it the same programs ran in the same time.
+_NO_CONCURRENT_SCHEDULER: _Option = ("xla_cpu_enable_concurrency_optimized_scheduler", False)
 
 
-@bounded(2)
+@bounded(8)
 def _accepted(option: _Option) -> bool:
     """Whether this JAX's CPU compiler knows ``option`` (an experimental flag a later XLA may rename)."""
     try:
@@ -57,8 +63,9 @@ def compiler_options(platform: str | None = None) -> dict[str, str | bool]:
     """The XLA compiler options of the library's steps on ``platform`` (default: JAX's default backend).
 
     On CPUs: no YNNPACK fusions (slow for the few walkers per device of a VMC step on
-    JAX 0.10); and, where this process has at least as many CPU devices as cores,
-    single-threaded matrix products (each device already holds a core). An option that
+    JAX 0.10), no concurrency-optimised scheduler (it can deadlock a large program); and,
+    where this process has at least as many CPU devices as cores, single-threaded matrix
+    products (each device already holds a core). An option that
     ``XLA_FLAGS`` names is left to the flags, and one this JAX does not know is left
     out. Elsewhere: none. Pass them to the ``jax.jit`` of your own outermost step; a
     nested ``jax.jit`` takes no options.
@@ -78,7 +85,7 @@ def compiler_options(platform: str | None = None) -> dict[str, str | bool]:
     platform = jax.default_backend() if platform is None else platform
     if platform != "cpu":
         return {}
-    options: list[_Option] = [_NO_YNN]
+    options: list[_Option] = [_NO_YNN, _NO_CONCURRENT_SCHEDULER]
     # Each device runs its program on a thread of its own: with a device on every core, a product split over
     # Eigen's pool only waits for threads the other devices hold.
     if jax.local_device_count("cpu") >= _cores():

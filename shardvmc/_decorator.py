@@ -19,8 +19,9 @@ from jax.sharding import Mesh
 from . import _compat
 from ._caches import bounded, register_kernel
 from ._compat import CONTEXT_MESH, NO_CONTEXT_MESH
+from ._compiler import compiler_options
 from ._errors import ArgumentsError, CallError, DecorationError, ShardvmcError, UnhashableStaticError, message
-from ._internals import tracing
+from ._internals import trace_state_clean, tracing
 from ._kernel import (
     TRACED,
     Options,
@@ -34,6 +35,7 @@ from ._kernel import (
 from ._markers import Kind, Layout, missing_markers_error, parse
 from ._mesh import CHOSEN_MESH, call_mesh, entered_mesh, mesh_of_arrays, onto_mesh
 from ._plan import KernelSpec, Plan, PlanKey, auto_signature, make_plan, pinned_out_shardings, raise_if_disagree
+from ._platform import compiling_for, mesh_platform
 from ._stats import BODY_VAR
 from ._walkerset import WalkerSet, check_n_valid, first_count, split_walker_set
 
@@ -106,8 +108,12 @@ class WalkerParallel:
         self._nested = nested
         self._missing: list[str] = []
         self._plans: dict[tuple[Any, ...], Plan] = {}  # by PlanKey, held as a plain tuple (cheaper to build)
-        self._jits: dict[tuple[Mesh, Any], Any] = {}  # the kernel's jax.jit per (mesh, walker axes)
-        self._calls: dict[Any, tuple[Any, Mesh, Mesh | None]] = {}  # call_mesh's answer and its jit (__call__)
+        # the kernel's jax.jit per (mesh, walker axes, top level): at the top level with the platform's compiler
+        # options (sv.compiler_options: XLA's CPU scheduler deadlock, slow fusions), which JAX refuses on a nested jit
+        self._jits: dict[tuple[Mesh, Any, bool], Any] = {}
+        # call_mesh's answer and its jit (__call__): called at the top level, and inside a trace
+        self._calls: dict[Any, tuple[Any, Mesh, Mesh | None]] = {}
+        self._traced_calls: dict[Any, tuple[Any, Mesh, Mesh | None]] = {}
         register_kernel(self)
         if layout is None:
             # Unmarked parameters are reported at the first call: a replicated_args(...) stacked above may
@@ -332,11 +338,12 @@ class WalkerParallel:
         if context is None or context is NO_CONTEXT_MESH or context.empty:  # _compat.context_mesh(), inlined
             key = chosen
         else:
-            key = (chosen, context, tracing())
+            key = (chosen, context)
+        calls = self._calls if trace_state_clean() else self._traced_calls  # not tracing(): one call less
         try:
-            jitted, mesh, enter = self._calls[key]
+            jitted, mesh, enter = calls[key]
         except (KeyError, TypeError):  # TypeError: no mesh at all (a list of devices, say): call_mesh explains
-            jitted, mesh, enter = self._resolve(key)
+            jitted, mesh, enter = self._resolve(key, calls)
         if n_valid is not None:
             n_valid = self._n_valid_argument(args, n_valid)
         try:
@@ -359,44 +366,56 @@ class WalkerParallel:
         self._plans.clear()
         self._jits.clear()
         self._calls.clear()
+        self._traced_calls.clear()
 
-    def _resolve(self, key: Any) -> tuple[Any, Mesh, Mesh | None]:
-        """The jit, mesh and mesh to enter of a call (``call_mesh``), kept under ``key`` when it is hashable."""
+    def _resolve(self, key: Any, calls: dict[Any, Any]) -> tuple[Any, Mesh, Mesh | None]:
+        """The jit, mesh and mesh to enter of a call (``call_mesh``), kept in ``calls`` when ``key`` is hashable."""
         mesh, axis, enter = call_mesh(self._mesh, self._options.axis_name, self._qualname)
-        found = (self._jits.get((mesh, axis)) or self._jit_for(mesh, axis), mesh, enter)
-        if len(self._calls) > 64:  # meshes and contexts are few; a program that builds many keeps this bounded
-            self._calls.clear()
+        found = (self._jit_for(mesh, axis), mesh, enter)
+        if len(calls) > 64:  # meshes and contexts are few; a program that builds many keeps this bounded
+            calls.clear()
         with contextlib.suppress(TypeError):
-            self._calls[key] = found
+            calls[key] = found
         return found
 
     def _jit_for(self, mesh: Mesh, axis: str | tuple[str, ...]) -> Any:
-        """The kernel's ``jax.jit`` on ``mesh`` (one per mesh and walker axes; built at their first call)."""
+        """The kernel's ``jax.jit`` on ``mesh`` for the caller (one per mesh, walker axes and top level or not).
+
+        Built at its first call; at the top level with the mesh platform's compiler options.
+        """
+        top = not tracing()
+        jitted = self._jits.get((mesh, axis, top))
+        if jitted is not None:
+            return jitted
         shardings = pinned_out_shardings(self._layout, mesh, axis)
         if shardings is not None and self._verify:
             shardings = (shardings, None)
+        options = compiler_options(mesh_platform(mesh)) if top else None
         jitted = jax.jit(
             functools.partial(self._traced, mesh, axis),
             static_argnums=self._spec.static_idx,
             static_argnames=("parts",),
             out_shardings=shardings,
+            compiler_options=options or None,
         )
-        self._jits[(mesh, axis)] = jitted
+        self._jits[(mesh, axis, top)] = jitted
         return jitted
 
     def _traced(
         self, mesh: Mesh, axis: str | tuple[str, ...], *args: Any, n_valid: Any = None, parts: Any = None
     ) -> Any:
         """What the kernel's jit traces: the plan of the call, and its program."""
+        # This jit is the mesh's own (one per mesh): its trace takes the mesh's platform's branches alone.
         try:
             if n_valid is not None:  # one type for every count (a caller's traced int is weakly typed)
                 n_valid = jnp.asarray(n_valid, jnp.int32)
-            plan, dyn, n_valid, count = self._prepare(args, n_valid, mesh, axis, parts)
-            elsewhere = argument_mesh_error(self._qualname, self._spec.dyn_params, dyn, mesh)
-            if elsewhere is not None:
-                setattr(elsewhere, _ELSEWHERE, True)
-                raise elsewhere
-            out, agree = plan.traced_call(dyn, n_valid)
+            with compiling_for(mesh_platform(mesh)):
+                plan, dyn, n_valid, count = self._prepare(args, n_valid, mesh, axis, parts)
+                elsewhere = argument_mesh_error(self._qualname, self._spec.dyn_params, dyn, mesh)
+                if elsewhere is not None:
+                    setattr(elsewhere, _ELSEWHERE, True)
+                    raise elsewhere
+                out, agree = plan.traced_call(dyn, n_valid)
         except Exception as err:
             setattr(err, _TRACED_ERROR, True)
             if not isinstance(err, ShardvmcError) and not raised_in_body(err):
@@ -444,7 +463,7 @@ class WalkerParallel:
     def _call_on(self, mesh: Mesh, args: tuple[Any, ...], n_valid: Any) -> Any:
         """The call on ``mesh`` (where its walkers live), its other arrays moved there."""
         mesh = _compat.auto_axes_mesh(mesh)
-        jitted = self._jits.get((mesh, self._options.axis_name)) or self._jit_for(mesh, self._options.axis_name)
+        jitted = self._jit_for(mesh, self._options.axis_name)
         args = onto_mesh(mesh, args)
         return jitted(*args) if n_valid is None else jitted(*args, n_valid=n_valid)
 
@@ -527,7 +546,7 @@ class WalkerParallel:
         """
         args = self._arguments(args, kwargs)
         mesh, axis, enter = call_mesh(self._mesh, self._options.axis_name, self._qualname)
-        jitted = self._jits.get((mesh, axis)) or self._jit_for(mesh, axis)
+        jitted = self._jit_for(mesh, axis)
         if n_valid is not None:
             n_valid = self._n_valid_argument(args, n_valid)
         split = self._partition(args)

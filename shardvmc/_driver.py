@@ -50,6 +50,7 @@ from ._checkpoint import Checkpointer
 from ._errors import CallError, CheckpointNotFoundError, message
 from ._history import LOG_NAME, RunLog, merge
 from ._loggers import JsonLog, Logger
+from ._persistent_cache import enable_compilation_cache
 from ._progress import Progress, wants_bar
 from ._walkerset import WalkerSet
 
@@ -454,6 +455,7 @@ def run(
     on_preemption: str = "exit",
     ahead: int = 2,
     mesh: Mesh | None = None,
+    compilation_cache: bool | str | os.PathLike[str] = True,
 ) -> RunResult:
     """Run ``step`` for ``n_steps`` steps: statistics, progress, logs, callbacks, checkpoints, preemption, resume.
 
@@ -499,6 +501,10 @@ def run(
         ahead: steps dispatched before the statistics of a step are read (0: each step's
             statistics read right after it; a callback's stop takes effect after the steps in flight).
         mesh: the mesh to restore a checkpoint onto (default: the mesh of ``state``'s walkers).
+        compilation_cache: keep the compiled programs on disk for the next run of the job (a resumed
+            one loads them instead of compiling): ``True`` (default) in the directory
+            :func:`shardvmc.enable_compilation_cache` picks, a directory, or ``False`` to leave JAX's
+            setting as it is.
 
     Returns:
         A :class:`RunResult`: the state, the steps done, every step's statistics, the status.
@@ -520,6 +526,8 @@ def run(
     started = time.perf_counter()
     plan = _plan(step, n_steps, key, checkpoint, checkpoint_every, checkpoint_seconds, out, callbacks, metadata,
                  on_preemption, ahead, mesh)  # fmt: skip
+    if compilation_cache is not False:  # before the first step compiles
+        enable_compilation_cache(None if compilation_cache is True else compilation_cache)
     saves = None if plan.directory is None else Checkpointer(plan.directory / "state", keep=keep)
     try:
         if saves is not None:  # from now on, not at the first step: a notice while compiling must not kill the job

@@ -16,8 +16,9 @@ errors are amplified. ``accurate(f)`` is ``f`` with every float32 ``dot_general`
 operations (Cephes' single-precision algorithms: exp, log and tanh at most 1.5 ulps on the TPU, all
 six within 3 ulps in the tests). It traces
 ``f`` (after any differentiation inside it, folx's included) and evaluates the program
-with those operations replaced, on TPUs only (``jax.lax.platform_dependent``): on CPUs and
-GPUs, whose float32 is already float32, the program is ``f`` unchanged. Other dtypes are
+with those operations replaced, on TPUs only (the kernel's platform, or
+``jax.lax.platform_dependent`` outside kernels): on CPUs and GPUs, whose float32 is already
+float32, the program is ``f`` unchanged. Other dtypes are
 left alone.
 
 The rewrite evaluates the bodies of ``jit``, ``custom_jvp``/``custom_vjp`` functions and
@@ -37,6 +38,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from ._internals import Jaxpr, closed_jaxpr_parts, is_jaxpr, literal_value
+from ._platform import traced_platform
 
 __all__ = ["accurate", "exp", "expm1", "log", "log1p", "logistic", "tanh"]
 
@@ -210,11 +212,21 @@ def accurate(f: Callable[..., Any], elsewhere: Callable[..., Any] | None = None)
 
     @functools.wraps(f)
     def wrapped(*args: Any) -> Any:
+        platform = traced_platform()
+        if platform is not None:  # a kernel's trace: its platform's program alone
+            return _rewrite(f)(*args) if platform == "tpu" else other(*args)
         leaves, tree = jax.tree_util.tree_flatten(args)
 
         def call(g: Callable[..., Any]) -> Callable[..., Any]:
             return lambda *flat: g(*jax.tree_util.tree_unflatten(tree, flat))
 
-        return lax.platform_dependent(*leaves, tpu=call(_rewrite(f)), default=call(other))
+        # Both branches are traced and must agree on their types, also where the two algorithms promote a
+        # constant of another dtype differently (x64 on, float32 inputs): the TPU's results as the other's.
+        types = jax.eval_shape(call(other), *leaves)
+
+        def on_tpu(*flat: Any) -> Any:
+            return jax.tree_util.tree_map(lambda x, t: x.astype(t.dtype), call(_rewrite(f))(*flat), types)
+
+        return lax.platform_dependent(*leaves, tpu=on_tpu, default=call(other))
 
     return wrapped

@@ -117,8 +117,9 @@ def value_laplacian_gradient(
 
     def by_folx(x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         out = folx.forward_laplacian(f, sparsity_threshold=sparsity_threshold)(x)
-        # folx puts the input axis first in the dense Jacobian: (d,) or (d, 2)
-        return out.x, out.laplacian, out.jacobian.dense_array
+        # folx puts the input axis first in the dense Jacobian: (d,) or (d, 2). Its derivatives in x's dtype, as
+        # jax.grad's (folx keeps the dtype a constant of f promoted them to: float64 from float32 walkers).
+        return out.x, out.laplacian.astype(x.dtype), out.jacobian.dense_array.astype(x.dtype)
 
     def by_jvp(x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         # jax.grad for a scalar f: jacrev's vmap over a single cotangent made the JVP loop 1.6 times slower

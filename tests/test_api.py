@@ -43,6 +43,7 @@ PUBLIC = {
     # the run's dtype and matrix-product precision for the platform; small determinants fast everywhere
     "precision_policy", "PrecisionPolicy", "linalg",
     "compiler_options",  # the XLA options of the library's programs on a platform, for a jax.jit of your own
+    "enable_compilation_cache",  # compiled programs kept on disk between runs (JAX's persistent cache)
 }  # fmt: skip
 
 

@@ -48,7 +48,7 @@ def plain_has_fusions():
     return True
 
 
-NO_YNN = {"xla_cpu_experimental_ynn_fusion_type": ""}
+NO_YNN = {"xla_cpu_experimental_ynn_fusion_type": "", "xla_cpu_enable_concurrency_optimized_scheduler": False}
 ONE_THREAD = {"xla_cpu_multi_thread_eigen": False}
 
 
@@ -63,8 +63,9 @@ def test_the_options_by_platform_and_by_cores(monkeypatch):
     assert sv.compiler_options() == sv.compiler_options(jax.default_backend())
     # flags that name an option decide it: the library does not pass that one
     monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_cpu_experimental_ynn_fusion_type=")
-    assert sv.compiler_options("cpu") == ONE_THREAD
-    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_experimental_ynn_fusion_type= --xla_cpu_multi_thread_eigen=true")
+    assert sv.compiler_options("cpu") == ONE_THREAD | {"xla_cpu_enable_concurrency_optimized_scheduler": False}
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_experimental_ynn_fusion_type= --xla_cpu_multi_thread_eigen=true "
+                       "--xla_cpu_enable_concurrency_optimized_scheduler=true")  # fmt: skip
     assert sv.compiler_options("cpu") == {}
 
 
@@ -101,3 +102,14 @@ def test_inside_a_users_jit_the_users_options_decide(plain_has_fusions):
     total, _ = jax.lax.scan(lambda c, _: (c + step(PARAMS, r), None), jnp.zeros(len(r)), None, length=2)
     np.testing.assert_allclose(total, 2 * jax.vmap(mlp, (None, 0))(PARAMS, r), rtol=1e-6)
     np.testing.assert_allclose(jax.jit(step)(PARAMS, r), jax.vmap(mlp, (None, 0))(PARAMS, r), rtol=1e-6)  # jit of it
+
+
+def test_a_kernel_compiles_with_the_options_at_the_top_level_and_follows_the_caller_inside(plain_has_fusions):
+    """A kernel's own program (called eagerly, lowered) has the platform's options; in the user's jit, the user's."""
+    kernel = sv.walker_parallel(mlp)  # (params: Replicated, r: PerWalker) -> PerWalker
+    r = walkers()
+    assert ynn_fusions(kernel.lower(PARAMS, r).compile()) == 0
+    np.testing.assert_allclose(kernel(PARAMS, r), jax.vmap(mlp, (None, 0))(PARAMS, r), rtol=1e-6)
+    outer = jax.jit(lambda p, x: 2 * kernel(p, x))
+    assert ynn_fusions(outer.lower(PARAMS, r).compile()) > 0  # a nested jit takes no options: the caller's decide
+    np.testing.assert_allclose(outer(PARAMS, r), 2 * jax.vmap(mlp, (None, 0))(PARAMS, r), rtol=1e-6)

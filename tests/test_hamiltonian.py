@@ -185,3 +185,56 @@ def test_a_potential_of_one_number_per_particle_is_a_call_error(walkers):
     assert f"shape ({r.shape[1]},) for a walker's positions of shape {r.shape[1:]}" in str(err.value)
     total = local_energy(network, lambda x: jnp.sum(per_electron(x)), mesh=_mesh(1))
     assert total(params, r).shape == (r.shape[0],)
+
+
+def masked_pairs(params: dict, r: jax.Array) -> jax.Array:
+    """A log|psi| with a constant in JAX's default float dtype (``jnp.eye``: float64 under x64), as real codes have."""
+    n = r.shape[0]
+    r_ee = jnp.linalg.norm(r[:, None] - r[None] + jnp.eye(n)[..., None], axis=-1)
+    return network(params, r) + 0.5 * jnp.sum(jnp.triu(r_ee / (1.0 + r_ee), 1))
+
+
+# (x64, the parameters' dtype, the walkers' dtype, the Laplacian): the combinations jax.vmap takes, as users meet
+# them, each with another Laplacian (all of them tested in float64 above)
+DTYPES = [(True, jnp.float32, jnp.float32, "folx", 0), (True, jnp.float64, jnp.float32, "jvp", 0),
+          (False, jnp.float32, jnp.float32, "folx", 0.6), (False, jnp.bfloat16, jnp.float32, "folx", 0),
+          (True, jnp.float32, jnp.float64, "folx", 0.6), (True, jnp.float32, jnp.float32, "jvp", 0)]  # fmt: skip
+
+
+@pytest.mark.parametrize("x64, param_dtype, walker_dtype, laplacian, threshold", DTYPES)
+def test_mixed_dtypes_give_what_jax_vmap_gives(x64, param_dtype, walker_dtype, laplacian, threshold):
+    """Mixed dtypes as JAX takes them: the local energy's dtype and value are jax.vmap's of the Hessian trace."""
+    with jax.enable_x64(x64):
+        params = jax.tree.map(lambda a: a.astype(param_dtype), _params())
+        r = jax.random.normal(jax.random.key(3), (5, 3, 3)).astype(walker_dtype)
+        expected = jax.vmap(lambda x: reference(masked_pairs, params, x))(r)
+        energy = local_energy(masked_pairs, potential, laplacian=laplacian, sparsity_threshold=threshold)
+        got = energy(params, r)
+        assert got.dtype == expected.dtype, (got.dtype, expected.dtype)
+        tol = 5e-2 if param_dtype == jnp.bfloat16 else 2e-4
+        np.testing.assert_allclose(np.asarray(got, np.float64), np.asarray(expected, np.float64), rtol=tol, atol=tol)
+        # outside any kernel (the user's own jax.jit): both platforms' programs are traced, and agree on the types
+        kinetic = jax.jit(jax.vmap(lambda x: kinetic_energy(masked_pairs, params, x, laplacian=laplacian)))(r)
+        assert kinetic.dtype == jax.vmap(jax.grad(lambda x: masked_pairs(params, x)))(r).dtype
+
+
+def test_a_kernel_traces_its_own_platforms_program_alone(monkeypatch, walkers):
+    """On CPUs the TPU's program (the float32 rewrite, the JVP loop) is not traced: a kernel knows its platform."""
+    import shardvmc._numerics as numerics
+
+    def refuse(f):
+        raise AssertionError("the TPU's program was traced for a CPU mesh")
+
+    monkeypatch.setattr(numerics, "_rewrite", refuse)
+    traced = []
+
+    def counted(params, r):
+        traced.append(1)
+        return network(params, r)
+
+    e = local_energy(counted, potential, mesh=_mesh(2))(_params(), walkers.astype(jnp.float32))
+    assert e.shape == (13,)
+    # one trace of the folx program, one eval_shape of log psi's value type (kinetic_energy's real/complex check)
+    assert len(traced) == 2, len(traced)
+    with pytest.raises(AssertionError, match="TPU's program"):  # outside a kernel both are traced, as JAX does
+        jax.jit(lambda x: kinetic_energy(network, _params(), x))(walkers[0].astype(jnp.float32))
