@@ -56,6 +56,7 @@ import gpu  # noqa: E402  # its Guard (time limits, journal) and supervise (rows
 
 NETWORKS = ("template", "template-large", "ferminet")
 PIECES = ("logpsi", "grad", "folx", "folx-sparse", "jvp", "ferminet-folx", "ferminet-default")
+SMOKE_PIECES = ("logpsi", "grad", "folx", "jvp", "ferminet-default")  # the slowest compiles left out
 SYSTEMS = ("Li", "Ne", "N2", "bicyclobutane")
 LAPLACIANS = {"folx": ("folx", 0), "folx-sparse": ("folx", 0.6), "jvp": ("jvp", 0)}  # piece: (laplacian, sparsity)
 FERMINET_DIR = os.path.join(HERE, ".ferminet")
@@ -74,7 +75,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true", help="tiny networks, Li and N2, 8 walkers: checks the script")
     parser.add_argument("--only", default=",".join(NETWORKS), help=f"comma-separated networks of {NETWORKS}")
-    parser.add_argument("--pieces", default=",".join(PIECES), help=f"comma-separated pieces of {PIECES}")
+    parser.add_argument(
+        "--pieces", default="", help=f"comma-separated pieces of {PIECES} (default all; smoke {','.join(SMOKE_PIECES)})"
+    )
     parser.add_argument("--systems", default="", help=f"comma-separated systems (default {SYSTEMS}; smoke Li,N2)")
     parser.add_argument("--walkers", type=int, default=0, help="walkers at the examples' size (default 4096)")
     parser.add_argument("--walkers-large", type=int, default=0, help="walkers at FermiNet's size (default 512)")
@@ -301,6 +304,7 @@ def measure(guard: gpu.Guard, fn: Any, w: Workload) -> dict[str, Any]:
         "peak_fraction": flops / seconds / peak if peak and flops else None,
         "loop": loop,
         "finite": finite,
+        "mean_output": float(jax.numpy.mean(out)) if getattr(out, "ndim", None) == 1 else None,  # E_L, log psi
         "reps": len(times),
         "n_params": w.n_params,
     }
@@ -335,7 +339,8 @@ def rows(guard: gpu.Guard, sizes: Sizes, networks: list[str], pieces: list[str])
                     guard.report.row(1, what, f"{m['walkers_per_s']:,.0f} walkers/s, {m['us_per_walker']:.2f} us "
                                               f"per walker, compiled in {m['compile_s']:.1f} s, peak "
                                               f"{m['peak_bytes_per_walker'] / 1024:.1f} KiB per walker, "
-                                              f"{fraction} of peak FLOP/s")  # fmt: skip
+                                              f"{fraction} of peak FLOP/s, mean output "
+                                              f"{m['mean_output']}")  # fmt: skip
                     guard.report.rows[-1].update(info, metrics=m)
 
                 first = len(guard.report.rows)
@@ -432,7 +437,8 @@ def main(argv: list[str] | None = None) -> int:
     networks = list(filter(None, args.only.split(",")))
     if args.smoke and args.only == ",".join(NETWORKS):  # both template sizes are the tiny one: once
         networks.remove("template-large")
-    rows(guard, sizes, networks, list(filter(None, args.pieces.split(","))))
+    pieces = list(filter(None, args.pieces.split(","))) or list(SMOKE_PIECES if args.smoke else PIECES)
+    rows(guard, sizes, networks, pieces)
     guard.watchdog.cancel()
     info["seconds"] = round(guard.elapsed(), 1)
     print(f"\n{command.strip()}: {info['seconds']} s on {jax.devices()[0].device_kind}")
