@@ -307,10 +307,11 @@ def read_journal(path: str) -> list[dict[str, Any]]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def supervise(argv: list[str], args: argparse.Namespace) -> int:
+def supervise(argv: list[str], args: argparse.Namespace, script: str = __file__) -> int:
     """Run the rows in child processes: a row whose process dies becomes a failed row, and a new child goes on.
 
-    The last child that finishes writes the whole table (every row from the journal).
+    The last child that finishes writes the whole table (every row from the journal). ``script``: the benchmark
+    the children run (another benchmark, ``scaling.py``, shares this supervisor).
     """
     import subprocess
     import tempfile
@@ -320,7 +321,7 @@ def supervise(argv: list[str], args: argparse.Namespace) -> int:
         journal = os.path.join(tmp, "journal.jsonl")
         for attempt in range(1, 26):
             stderr_path = os.path.join(tmp, f"stderr-{attempt}.txt")
-            command = [sys.executable, os.path.abspath(__file__), *argv, "--journal", journal,
+            command = [sys.executable, os.path.abspath(script), *argv, "--journal", journal,
                        "--started-at", str(started_at)]  # fmt: skip
             with open(stderr_path, "w") as stderr:
                 code = subprocess.run(command, stderr=stderr).returncode

@@ -30,13 +30,40 @@ class System:
 LI = System("Li", ((0.0, 0.0, 0.0),), (3.0,), 2, 1, exact_energy=-7.47806, hf_energy=-7.43273)
 LIH = System("LiH", ((0.0, 0.0, 0.0), (0.0, 0.0, 3.015)), (3.0, 1.0), 2, 2, exact_energy=-8.07050)
 BE = System("Be", ((0.0, 0.0, 0.0),), (4.0,), 2, 2, exact_energy=-14.66736, hf_energy=-14.57302)
-SYSTEMS = {s.name: s for s in (LI, LIH, BE)}
+# Chakravorty et al., Phys. Rev. A 47, 3649 (1993) (exact), Clementi and Roetti (1974) (Hartree-Fock)
+NE = System("Ne", ((0.0, 0.0, 0.0),), (10.0,), 5, 5, exact_energy=-128.9376, hf_energy=-128.5471)
+# Pfau et al., Phys. Rev. Research 2, 033429 (2020), Table II (exact from Bytautas and Ruedenberg; Hartree-Fock)
+N2 = System("N2", ((0.0, 0.0, -1.034), (0.0, 0.0, 1.034)), (7.0, 7.0), 7, 7, exact_energy=-109.5423,
+            hf_energy=-108.994)  # fmt: skip
+# FermiNet's geometry (ferminet/configs/organic.py 'bicbut', angstrom; its units.py's bohr); Pfau et al. (2020)
+# Table II: no exact energy, its CCSD(T)/CBS -155.9575 here (FermiNet's own -155.9263(6)), Hartree-Fock -154.9372.
+_BICBUT = ((1.0487346562, 0.5208579773, 0.2375867187), (0.2497284256, -0.7666691493, 0.0936474818),
+           (-0.1817326465, 0.4922777820, -0.6579637266), (-1.1430708301, -0.1901383337, 0.3048494250),
+           (2.0107137141, 0.5520589541, -0.2623459977), (1.0071921280, 1.0672669240, 1.1766131856),
+           (0.5438033167, -1.7129829738, -0.3260782874), (-0.2580605320, 0.6268443026, -1.7229636111),
+           (-1.3778676954, 0.2935640723, 1.2498189977), (-1.9664163102, -0.7380906148, -0.1402911727))  # fmt: skip
+BICBUT = System("bicyclobutane", tuple(tuple(x / 0.52917721067 for x in atom) for atom in _BICBUT),
+                (6.0,) * 4 + (1.0,) * 6, 15, 15, exact_energy=-155.9575, hf_energy=-154.9372)  # fmt: skip
+SYSTEMS = {s.name: s for s in (LI, LIH, BE, NE, N2, BICBUT)}
+
+
+def owners(system: System) -> list[int]:
+    """The nucleus each electron (up electrons first) starts at: as many as its charge, of each spin about half.
+
+    The nuclei's electrons (heaviest first) are taken by the up and down spins in turn, so that no nucleus holds
+    only up electrons; an ion's electrons go round the nuclei as far as they reach.
+    """
+    order = sorted(range(len(system.charges)), key=lambda m: -system.charges[m])
+    slots = [m for m in order for _ in range(max(round(system.charges[m]), 1))]
+    n = system.n_up + system.n_down
+    slots = [slots[i % len(slots)] for i in range(n)]
+    ups = (list(range(0, n, 2)) + list(range(1, n, 2)))[: system.n_up]  # every other slot, then the rest
+    return [slots[i] for i in ups] + [slots[i] for i in range(n) if i not in ups]
 
 
 def init_walker(key: jax.Array, system: System, dtype: jnp.dtype) -> jax.Array:
-    """One walker: electrons given to the nuclei in turn (heaviest first), displaced by a unit Gaussian."""
-    order = sorted(range(len(system.charges)), key=lambda m: -system.charges[m])
-    owner = [order[i % len(order)] for i in range(system.n_up + system.n_down)]
+    """One walker: the electrons at their nuclei (``owners``), displaced by a unit Gaussian."""
+    owner = owners(system)
     noise = jax.random.normal(key, (len(owner), 3), dtype)
     return jnp.asarray(system.coords, dtype)[jnp.asarray(owner)] + noise
 

@@ -650,3 +650,26 @@ def test_fusions_script_puts_each_program_with_and_without_ynnpack_fusions_side_
             for i, key in enumerate(("with ms", "without ms", "without / with")):
                 assert cell[key] == round(statistics.median(reading[i] for reading in readings), 3)
     assert "| helium | 16 |" in stdout and ("deepqmc: not run" in stdout or "| deepqmc |" in stdout)
+
+
+@pytest.mark.end_to_end  # benchmarks/scaling.py's smoke table: once, on CI's first leg
+def test_scaling_script_measures_every_piece_and_fits_the_growth_exponents(tmp_path):
+    """The template's rows (FermiNet's need benchmarks/.ferminet): every piece for Li and N2, finite figures, a table
+    row each, and an exponent per piece."""
+    table = tmp_path / "table.md"
+    stdout, data = _run("scaling.py", "--smoke", "--only", "template", "--out", str(table), tmp_path=tmp_path)
+    pieces = ("logpsi", "grad", "folx", "jvp")
+    measured = [row for row in data["rows"] if row.get("metrics")]
+    assert sorted((row["system"], row["piece"]) for row in measured) == sorted(
+        (system, piece) for system in ("Li", "N2") for piece in pieces
+    ), data["rows"]
+    text = table.read_text()
+    for row in measured:
+        m = row["metrics"]
+        figures = ("walkers_per_s", "us_per_walker", "compile_s", "peak_bytes_per_walker", "flops")
+        assert m["finite"] and all(0 < m[k] < float("inf") for k in figures), row
+        assert m["peak_fraction"] is None  # no known peak FLOP/s on a CPU
+        assert f"| template | {row['system']} | {row['electrons']} | {row['piece']} | 8 |" in text
+    exponents = {f["piece"]: f["exponent"] for f in data["exponents"] if f["network"] == "template"}
+    assert set(exponents) == set(pieces) and all(-10 < x < 10 for x in exponents.values()), exponents
+    assert "time per walker grows as n^x" in stdout and "time per walker grows as n^x" in text

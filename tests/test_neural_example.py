@@ -190,7 +190,7 @@ def test_chemical_accuracy_step_is_where_the_50_step_average_first_reaches_it(ne
 
 
 def test_systems_are_data(neural):
-    assert set(neural.SYSTEMS) == {"Li", "LiH", "Be"}
+    assert set(neural.SYSTEMS) == {"Li", "LiH", "Be", "Ne", "N2", "bicyclobutane"}  # tests/test_molecules.py
     li, lih, be = (neural.SYSTEMS[n] for n in ("Li", "LiH", "Be"))
     assert (li.exact_energy, li.hf_energy, be.exact_energy, be.hf_energy) == (-7.47806, -7.43273, -14.66736, -14.57302)
     assert lih.exact_energy == -8.07050 and lih.coords[1][2] == 3.015 and lih.charges == (3.0, 1.0)
