@@ -12,7 +12,8 @@ bicyclobutane), timed on the default backend's first device in float32, every pr
   the FermiNet rows are skipped and say so.
 - **pieces**: ``logpsi`` (vmapped), ``grad`` (per-walker gradient of log psi with respect to the parameters, the
   natural gradient's Jacobian), the library's ``sv.hamiltonian.local_energy`` with ``laplacian=`` ``folx``
-  (dense Jacobians), ``folx-sparse`` (``sparsity_threshold=0.6``, folx's recommendation) and ``jvp``, applied to
+  (dense Jacobians), ``folx-sparse`` (``sparsity_threshold=0.6``, folx's recommendation), ``folx-6`` (6,
+  FermiNet's) and ``jvp``, applied to
   every network (for FermiNet's, to its ``net.apply``); and FermiNet's own ``hamiltonian.local_energy`` with
   ``laplacian_method='folx'`` (``ferminet-folx``: its folx, sparsity threshold 6) and ``'default'``
   (``ferminet-default``: its JVP loop), vmapped, on FermiNet's network only. The library against FermiNet's code
@@ -55,10 +56,15 @@ sys.path[:0] = [HERE]
 import gpu  # noqa: E402  # its Guard (time limits, journal) and supervise (rows in child processes); stdlib only
 
 NETWORKS = ("template", "template-large", "ferminet")
-PIECES = ("logpsi", "grad", "folx", "folx-sparse", "jvp", "ferminet-folx", "ferminet-default")
+PIECES = ("logpsi", "grad", "folx", "folx-sparse", "folx-6", "jvp", "ferminet-folx", "ferminet-default")
 SMOKE_PIECES = ("logpsi", "grad", "folx", "jvp", "ferminet-default")  # the slowest compiles left out
 SYSTEMS = ("Li", "Ne", "N2", "bicyclobutane")
-LAPLACIANS = {"folx": ("folx", 0), "folx-sparse": ("folx", 0.6), "jvp": ("jvp", 0)}  # piece: (laplacian, sparsity)
+LAPLACIANS = {
+    "folx": ("folx", 0),
+    "folx-sparse": ("folx", 0.6),
+    "folx-6": ("folx", 6),
+    "jvp": ("jvp", 0),
+}  # piece: (laplacian, sparsity)
 FERMINET_DIR = os.path.join(HERE, ".ferminet")
 # bf16 FLOP/s per chip by device kind; float32 at "highest" precision takes 6 bf16 passes
 PEAK_BF16 = {"TPU v5 lite": 197e12, "TPU v5e": 197e12}
