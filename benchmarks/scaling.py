@@ -1,6 +1,6 @@
 """Scaling with the electrons: log psi, its gradient and local energies from Li (3) to bicyclobutane (30 electrons).
 
-Each row is one piece of one network for one system (``examples/network.py``'s ``SYSTEMS``: Li, Ne, N2,
+Each row is one piece of one network for one system (``examples/network.py``'s ``SYSTEMS``: Li, Be, Ne, N2,
 bicyclobutane), timed on the default backend's first device in float32, every program traced under
 ``jax.default_matmul_precision("highest")`` (the library's local energy sets it inside on TPUs anyway):
 
@@ -58,7 +58,7 @@ import gpu  # noqa: E402  # its Guard (time limits, journal) and supervise (rows
 NETWORKS = ("template", "template-large", "ferminet")
 PIECES = ("logpsi", "grad", "folx", "folx-sparse", "folx-6", "jvp", "ferminet-folx", "ferminet-default")
 SMOKE_PIECES = ("logpsi", "grad", "folx", "jvp", "ferminet-default")  # the slowest compiles left out
-SYSTEMS = ("Li", "Ne", "N2", "bicyclobutane")
+SYSTEMS = ("Li", "Be", "Ne", "N2", "bicyclobutane")
 LAPLACIANS = {
     "folx": ("folx", 0),
     "folx-sparse": ("folx", 0.6),

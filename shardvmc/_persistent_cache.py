@@ -40,10 +40,12 @@ def enable_compilation_cache(
     turns it off (nothing is set; returns ``None``).
 
     Processes on one machine, and the processes of a multi-host job on a shared file system,
-    may use one directory at once: JAX writes each program atomically under a key of its
-    program, compiler options, devices and JAX version, so a program compiled for other
-    devices or another JAX is compiled again, never loaded. Anyone who can write to the
-    directory can make your processes run their code: keep it private to you.
+    may use one directory at once: JAX writes from process 0 only, each program under a hash
+    of the program, its compiler options, its devices and JAX's version, so a program
+    compiled for other devices or another JAX is compiled again, never loaded (a process
+    that reads an entry another is still writing warns and compiles). Programs with host
+    callbacks (``jax.debug.print``) are not kept. Anyone who can write to the directory can
+    make your processes run their code: keep it private to you.
 
     ``sv.driver.run`` calls it (``compilation_cache=True``, its default), and the examples
     do at their start; call it at the start of a job of your own. A call after programs were
