@@ -69,6 +69,9 @@ FERMINET_DIR = os.path.join(HERE, ".ferminet")
 # bf16 FLOP/s per chip by device kind; float32 at "highest" precision takes 6 bf16 passes
 PEAK_BF16 = {"TPU v5 lite": 197e12, "TPU v5e": 197e12}
 HIGHEST_PASSES = 6
+# HBM bytes/s per chip by device kind: the roofline's other side (a program that moves more bytes per FLOP than
+# peak FLOP/s / bandwidth, 40 on a v5e at "highest", is bound by memory)
+PEAK_HBM = {"TPU v5 lite": 819e9, "TPU v5e": 819e9}
 # FermiNet's base_config.default()['network'] (ferminet 0ce3411), for a Python without ml_collections
 FERMINET_DEFAULTS = {"determinants": 16, "bias_orbitals": False, "full_det": True, "jastrow": "default",
                      "rescale_inputs": False, "ferminet": {"hidden_dims": ((256, 32),) * 4, "use_last_layer": False,
@@ -262,11 +265,11 @@ def program(piece: str, w: Workload) -> Any:
 # ----------------------------------------------------------------------------- one row
 
 
-def flops_of(compiled: Any) -> tuple[float, bool]:
-    """XLA's FLOP count of a compiled program, and whether it has a loop (whose body XLA counts once)."""
+def flops_of(compiled: Any) -> tuple[float, float, bool]:
+    """XLA's FLOP and memory-byte counts of a compiled program, and whether it has a loop (its body counted once)."""
     cost = compiled.cost_analysis()
     cost = (cost[0] if cost else {}) if isinstance(cost, (list, tuple)) else (cost or {})
-    return float(cost.get("flops", 0.0)), " while(" in compiled.as_text()
+    return float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0)), " while(" in compiled.as_text()
 
 
 def peak_flops() -> float:
@@ -296,8 +299,9 @@ def measure(guard: gpu.Guard, fn: Any, w: Workload) -> dict[str, Any]:
         out = jax.block_until_ready(compiled(*args))
         times.append(time.perf_counter() - start)
     seconds, n = gpu.median(times), w.walkers.shape[0]
-    flops, loop = flops_of(compiled)
+    flops, moved, loop = flops_of(compiled)
     peak = peak_flops()
+    bandwidth = PEAK_HBM.get(jax.devices()[0].device_kind, 0.0)
     finite = all(bool(jax.numpy.isfinite(leaf).all()) for leaf in jax.tree_util.tree_leaves(out))
     return {
         "walkers": n,
@@ -308,6 +312,8 @@ def measure(guard: gpu.Guard, fn: Any, w: Workload) -> dict[str, Any]:
         "peak_bytes_per_walker": compiled_memory(compiled).total_bytes / n,
         "flops": flops,
         "peak_fraction": flops / seconds / peak if peak and flops else None,
+        "bytes": moved,
+        "bandwidth_fraction": moved / seconds / bandwidth if bandwidth and moved else None,
         "loop": loop,
         "finite": finite,
         "mean_output": float(jax.numpy.mean(out)) if getattr(out, "ndim", None) == 1 else None,  # E_L, log psi
@@ -381,19 +387,22 @@ def tables(all_rows: list[dict[str, Any]], fits: list[dict[str, Any]], peak: flo
     """The rows' table and the exponents' table (Markdown)."""
     peak_text = f"{peak / 1e12:.1f} TFLOP/s (float32 at 'highest': bf16 peak / 6)" if peak else "n/a (no known peak)"
     lines = ["| network | system | electrons | piece | walkers | walkers/s | us/walker | compile s | "
-             "peak KiB/walker | FLOP/walker | % of peak FLOP/s |", "|---" * 11 + "|"]  # fmt: skip
+             "peak KiB/walker | FLOP/walker | % of peak FLOP/s | % of HBM bandwidth |", "|---" * 12 + "|"]  # fmt: skip
     for row in all_rows:
         m = row.get("metrics")
         head = f"| {row.get('network', '')} | {row.get('system', '')} | {row.get('electrons', '')} | " \
                f"{row.get('piece', row['what'])} |"  # fmt: skip
         if not m:
-            lines.append(f"{head} {row['figure']} | | | | | | |")
+            lines.append(f"{head} {row['figure']} | | | | | | | |")
             continue
-        fraction = "n/a" if m["peak_fraction"] is None else f"{'>=' if m['loop'] else ''}{100 * m['peak_fraction']:.2f}"
+        bound = ">=" if m["loop"] else ""
+        fraction = "n/a" if m["peak_fraction"] is None else f"{bound}{100 * m['peak_fraction']:.2f}"
+        moved = "n/a" if m.get("bandwidth_fraction") is None else f"{bound}{100 * m['bandwidth_fraction']:.1f}"
         lines.append(f"{head} {m['walkers']} | {m['walkers_per_s']:,.0f} | {m['us_per_walker']:.3g} | "
                      f"{m['compile_s']:.1f} | {m['peak_bytes_per_walker'] / 1024:,.1f} | "
-                     f"{m['flops'] / m['walkers']:.3g}{'*' if m['loop'] else ''} | {fraction} |")  # fmt: skip
-    lines += ["", f"Peak: {peak_text}. * a loop: XLA counts its body once, so FLOPs and the fraction are lower bounds.",
+                     f"{m['flops'] / m['walkers']:.3g}{'*' if m['loop'] else ''} | {fraction} | {moved} |")  # fmt: skip
+    lines += ["", f"Peak: {peak_text}; HBM bandwidth from XLA's bytes accessed against the chip's (819 GB/s on a "
+              "v5e). * a loop: XLA counts its body once, so FLOPs, bytes and the fractions are lower bounds.",
               "", "| network | piece | time per walker grows as n^x: x | electrons | FermiNet's own code, same "
               "network: x |", "|---|---|---|---|---|"]  # fmt: skip
     own = {f["piece"]: f["exponent"] for f in fits if f["network"] == "ferminet" and f["piece"].startswith("ferminet-")}
