@@ -605,9 +605,6 @@ def error_rows(guard: Guard, sizes: Sizes) -> None:
                 f"folx at JAX's defaults, float32 on the {platform}": jax.jit(jax.vmap(plain, (None, 0)))(*plain_on),
                 on_cpu: library(cpu, params, walkers),
             }
-            if platform == "tpu":  # the TPU's Laplacian ("auto" takes the JVP loop there, folx on a CPU)
-                on_cpu = f"{on_cpu}, the {platform}'s Laplacian (laplacian='jvp')"
-                figures[on_cpu] = library(cpu, params, walkers, laplacian="jvp")
             for label, e in figures.items():
                 guard.report.row(11, f"{what}: {label}", error_text(e, reference))
             # the goal: no worse than float32 on a CPU by the same algorithm (mean and rms within 2x)

@@ -72,7 +72,7 @@ from ._numerics import accurate
 from ._placement import replicate
 from ._stats import current_body
 from ._walkerset import WalkerSet
-from .hamiltonian import LAPLACIANS, parameter_count, value_laplacian_gradient
+from .hamiltonian import LAPLACIANS, value_laplacian_gradient
 from .mcmc import SamplerState, Walker, float_positions, log_psi_value
 
 __all__ = ["DMC", "DMCState", "DMCWalker", "energy", "extrapolate"]
@@ -536,7 +536,7 @@ def _make_evaluate(
             return value(params, flat.reshape(shape))
 
         # log|psi|, its gradient (the drift) and its Laplacian (one forward pass with folx)
-        lp, lap, g = value_laplacian_gradient(flat_value, x.reshape(-1), laplacian, 0, parameter_count(params))
+        lp, lap, g = value_laplacian_gradient(flat_value, x.reshape(-1), laplacian, 0)
         assert potential is not None
         e = -0.5 * (lap + jnp.sum(g * g)) + jnp.asarray(accurate(potential)(x)).astype(x.dtype)
         return lp, s, g.reshape(shape), e

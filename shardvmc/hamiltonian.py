@@ -2,12 +2,12 @@
 
 ``E_L(r) = -1/2 (lap log psi(r) + grad log psi(r) . grad log psi(r)) + V(r)``, for a
 real ``log|psi|`` or a complex ``log psi`` (then the square is not conjugated and
-``E_L`` is complex). The Laplacian is the fastest for the platform the program is compiled
-for and the network's size (``laplacian="auto"``): folx's forward Laplacian, but for networks
-of fewer than 20,000 parameters on TPUs, where ``"jvp"`` (``jax.linearize`` of the gradient
-once, then one Jacobian-vector product per coordinate in a ``jax.lax.fori_loop``: least
-memory) was the faster; at FermiNet's size folx took a quarter to a half of the loop's time
-there (``docs/accelerators.md``). Either can be asked for (``"folx"``, optionally with sparse
+``E_L`` is complex). The Laplacian is folx's forward Laplacian (``laplacian="auto"``), the
+fastest on every platform and at every size measured: on a TPU the JVP loop (``"jvp"``:
+``jax.linearize`` of the gradient once, then one Jacobian-vector product per coordinate in a
+``jax.lax.fori_loop``) took 1.9 to 4.5 times its time, from the templates' Li network at the
+examples' size to FermiNet's own network on N2 (``docs/accelerators.md``), but holds a
+seventh of its memory per walker. Either can be asked for (``"folx"``, optionally with sparse
 Jacobians, ``sparsity_threshold``; ``"jvp"``).
 
 On a TPU the local energy is computed at float32's accuracy: its matrix products at
@@ -53,22 +53,15 @@ __all__ = ["LAPLACIANS", "coulomb", "kinetic_energy", "local_energy"]
 LAPLACIANS = ("auto", "folx", "jvp")
 """The Laplacian methods: the platform's fastest, folx's forward Laplacian, or JVPs of the linearized gradient."""
 
-# On a TPU v5e the JVP loop beat folx only for small networks: 5.5 against 7.1 ms on the tests' FermiNet-style Li
-# network (4,753 parameters, 16,384 walkers); with FermiNet's own network at its default size (0.67 M parameters,
-# 512 walkers) folx took 0.52 of the loop's time on Li and 0.25 on N2 (benchmarks/scaling.py, docs/accelerators.md).
-_TPU_JVP_BELOW_PARAMETERS = 20_000
+# "auto" is folx's forward Laplacian on every platform and at every size measured (benchmarks/scaling.py, one TPU
+# v5e): the JVP loop took 3.1 times folx's time for the templates' Li network at the examples' size (4,753
+# parameters, 4,096 walkers), 4.5 times for Be, 1.9 and 4.0 times for FermiNet's own network at its default size
+# on Li and N2 (0.67 M and 0.77 M parameters, 512 walkers). The loop holds a seventh of folx's memory per walker.
 
 
-def resolved_laplacian(laplacian: str, platform: str, n_params: int) -> str:
-    """The method ``laplacian`` (``"auto"`` or a method) takes on ``platform`` for a network of ``n_params``."""
-    if laplacian != "auto":
-        return laplacian
-    return "jvp" if platform == "tpu" and n_params < _TPU_JVP_BELOW_PARAMETERS else "folx"
-
-
-def parameter_count(params: Any) -> int:
-    """The number of array elements in a pytree of parameters (the size ``laplacian="auto"`` reads)."""
-    return sum(int(getattr(leaf, "size", 1)) for leaf in jax.tree_util.tree_leaves(params))
+def resolved_laplacian(laplacian: str) -> str:
+    """The method that ``laplacian`` (``"auto"`` or a method) takes."""
+    return "folx" if laplacian == "auto" else laplacian
 
 
 def coulomb(r: jax.Array, charges: Any = None, coords: Any = None) -> jax.Array:
@@ -126,12 +119,11 @@ def coulomb(r: jax.Array, charges: Any = None, coords: Any = None) -> jax.Array:
 
 
 def value_laplacian_gradient(
-    f: Callable[[jax.Array], jax.Array], x: jax.Array, laplacian: str, sparsity_threshold: float | int, n_params: int
+    f: Callable[[jax.Array], jax.Array], x: jax.Array, laplacian: str, sparsity_threshold: float | int
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Value, Laplacian and gradient of a real ``f`` of a flat ``x``, whose output may have a trailing axis (Re, Im).
 
-    ``laplacian`` as :func:`local_energy`'s (``"auto"`` by the platform and ``n_params``, the network's size); on a
-    TPU at float32's accuracy (``_numerics.accurate``).
+    ``laplacian`` as :func:`local_energy`'s; on a TPU at float32's accuracy (``_numerics.accurate``).
     """
 
     def by_folx(x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -150,10 +142,8 @@ def value_laplacian_gradient(
         lap = jax.lax.fori_loop(0, x.shape[0], lambda i, acc: acc + grad_jvp(eye[i])[..., i], zero)
         return f(x), lap, jnp.moveaxis(grad, -1, 0)
 
-    methods = {"folx": by_folx, "jvp": by_jvp}
-    on_tpu = methods[resolved_laplacian(laplacian, "tpu", n_params)]
-    elsewhere = methods[resolved_laplacian(laplacian, "cpu", n_params)]
-    return accurate(on_tpu, elsewhere)(x)
+    method = {"folx": by_folx, "jvp": by_jvp}[resolved_laplacian(laplacian)]
+    return accurate(method)(x)
 
 
 def kinetic_energy(
@@ -170,8 +160,7 @@ def kinetic_energy(
         log_psi: ``log_psi(params, r)`` of one walker, real or complex.
         params: its parameters.
         r: the walker's positions (any shape), or a :class:`shardvmc.mcmc.Walker`.
-        laplacian: ``"auto"`` (the fastest for the platform and the size of ``params``), ``"folx"`` (forward
-            Laplacian) or ``"jvp"`` (see the module).
+        laplacian: ``"auto"`` (the fastest: folx's), ``"folx"`` (forward Laplacian) or ``"jvp"`` (see the module).
         sparsity_threshold: folx's option: propagate sparse Jacobians while the non-zero
             entries are at most this many (a number above 1) or this fraction (between 0 and
             1; folx recommends about 0.6); 0 keeps them dense. ``"folx"`` only.
@@ -203,7 +192,7 @@ def kinetic_energy(
         # folx and jax.linearize take real functions: a complex value as its (Re, Im) parts
         return jnp.stack([jnp.real(value), jnp.imag(value)]) if is_complex else value
 
-    _, lap, grad = value_laplacian_gradient(f, x.reshape(-1), laplacian, sparsity_threshold, parameter_count(params))
+    _, lap, grad = value_laplacian_gradient(f, x.reshape(-1), laplacian, sparsity_threshold)
     if is_complex:
         lap = jax.lax.complex(lap[0], lap[1])
         grad = jax.lax.complex(grad[..., 0], grad[..., 1])
@@ -226,8 +215,7 @@ def local_energy(
         log_psi: ``log_psi(params, r)`` of ONE walker, real ``log|psi|`` or complex ``log psi``.
         potential: ``potential(r)`` of one walker's positions, e.g. built on :func:`coulomb`;
             ``None``: no potential. Computed at float32's accuracy on a TPU, as the kinetic energy.
-        laplacian: ``"auto"`` (default: the fastest for the platform and the parameters' size), ``"folx"`` or
-            ``"jvp"``; see the module.
+        laplacian: ``"auto"`` (default: the fastest, folx's), ``"folx"`` or ``"jvp"``; see the module.
         sparsity_threshold: folx's sparse-Jacobian threshold (0: dense); see :func:`kinetic_energy`.
         mesh: the kernel's mesh (``None``: resolved at each call).
         axis_name: the walker axis (or axes) of the mesh.
