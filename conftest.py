@@ -44,13 +44,31 @@ _flags = os.environ.get("XLA_FLAGS", "").split()
 _flags += [f for f in _FAST_COMPILE_FLAGS if not any(g.startswith(f.split("=")[0] + "=") for g in _flags)]
 os.environ["XLA_FLAGS"] = " ".join(_flags)
 
+from pathlib import Path  # noqa: E402
+
+import jax  # noqa: E402  (imported already by shardvmc.testing; no backend started)
+import pytest  # noqa: E402
+
+# JAX's persistent compilation cache, shared by the test processes (the xdist workers; set in this process's JAX
+# config, not in the environment, so the processes a test starts do not inherit it). The suite compiles the same
+# program again and again: a fresh jax.jit (a lambda, a functools.partial) compiles again in the same process, as
+# the examples' initial_state does each run (tests/test_neural_example.py: 92 s, 59 s with the cache from empty,
+# measured). Not for the processes the tests start: a process that reuses nothing pays for writing each entry (the
+# KFAC example: 28 s, 33 s from an empty cache), and under shardvmc.launch process 0 alone would read the entries,
+# reaching its first collective early, past gloo's 30 s wait under load (tests/test_chaos.py's _cached).
+# SHARDVMC_TEST_COMPILATION_CACHE names another directory; empty: none.
+_CACHE = os.environ.get("SHARDVMC_TEST_COMPILATION_CACHE", str(Path(__file__).resolve().parent / ".jax-cache"))
+# The processes tests start (the examples, sv.driver.run's jobs) keep none either, unless a test sets its own
+# (sv.driver.run and the examples turn sv.enable_compilation_cache on by default).
+os.environ.setdefault("SHARDVMC_COMPILATION_CACHE", "off")
+if _CACHE:
+    jax.config.update("jax_compilation_cache_dir", _CACHE)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)  # most programs compile in under 1 s
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)  # every size
+
 # The doctests of the modules that need kfac-jax, which may be installed without supporting the
 # installed JAX (kfac-jax 0.0.8 cannot be imported on JAX >= 0.11): there each module is collected
 # as one skip with the reason (shardvmc.kfac's ImportError: the versions and the fix), not as an error.
-from pathlib import Path  # noqa: E402
-
-import pytest  # noqa: E402
-
 PACKAGE = Path(__file__).resolve().parent / "shardvmc"
 NEEDS_KFAC_JAX = {"kfac.py", "_kfac_compat.py"}
 

@@ -1,6 +1,7 @@
 """The examples' command line (devices, options, the summary and its plot); progress and checkpoints are sv.driver's."""
 
 import argparse
+import contextlib
 import dataclasses
 import json
 from collections.abc import Sequence
@@ -14,10 +15,8 @@ import shardvmc.testing
 
 def start(devices: int) -> Any:
     """The mesh: ``devices`` fake CPU devices without an accelerator, else every device (of every launched process)."""
-    try:
+    with contextlib.suppress(RuntimeError):  # JAX has started already (a notebook, a test): the devices it has
         sv.testing.set_cpu_devices(devices)  # edits XLA_FLAGS: before JAX's backend starts
-    except RuntimeError:  # JAX has started already (a notebook, a test): the devices it has
-        pass
     if sv.distributed.is_launched():  # under python -m shardvmc.launch: join the other processes first
         sv.distributed.initialize()
     sv.enable_compilation_cache()  # the next run of the job loads its compiled programs ($SHARDVMC_COMPILATION_CACHE)
@@ -36,20 +35,16 @@ def parse_args(argv: Sequence[str] | None, config: type, description: str, *, qu
         p.add_argument(f"--{f.name.replace('_', '-')}", type=kind, choices=choices.get(f.name),
                        help=f"(default {f.default})")  # fmt: skip
     p.add_argument("--quick", action="store_true", help="a few steps of a small run (a smoke test)")
-    p.add_argument("--float32", action="store_true", help="compute in float32 (--dtype float32)")
-    p.add_argument("--devices", type=int, default=8, help="fake CPU devices when there is no accelerator (the first "
-                   "N when XLA_FLAGS sets a count);\nignored on accelerators and under shardvmc.launch")  # fmt: skip
+    p.add_argument("--float32", dest="dtype", action="store_const", const="float32", help="--dtype float32")
+    p.add_argument("--devices", type=int, default=8, help="fake CPU devices (ignored on accelerators, under a launch)")
     p.add_argument("--checkpoint", metavar="DIR", help="checkpoints and the log (log.jsonl); the same command resumes")
     p.add_argument("--checkpoint-every", type=int, default=100, help="steps between checkpoints")
     p.add_argument("--print-every", type=int, default=0, help="a progress line every N steps (0: none)")
     p.add_argument("--json", metavar="PATH", help="write the summary here")
     p.add_argument("--plot", metavar="PNG", help="plot the energy per step (needs matplotlib)")
     args = p.parse_args(argv)
-    values = dict(quick or {}) if args.quick else {}
-    values.update({f.name: getattr(args, f.name) for f in fields if getattr(args, f.name) is not None})
-    if args.float32:
-        values["dtype"] = "float32"
-    return args, config(**values)
+    given = {f.name: getattr(args, f.name) for f in fields if getattr(args, f.name) is not None}
+    return args, config(**{**((quick or {}) if args.quick else {}), **given})  # the options given win over --quick
 
 
 def announce(mesh: Any, dtype: str) -> sv.PrecisionPolicy:

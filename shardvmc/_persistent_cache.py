@@ -59,10 +59,12 @@ def enable_compilation_cache(
         The cache's directory, or ``None`` where ``SHARDVMC_COMPILATION_CACHE=off``.
 
     Example:
-        >>> import tempfile, shardvmc as sv
+        >>> import jax, tempfile, shardvmc as sv
+        >>> before = jax.config.jax_compilation_cache_dir
         >>> path = sv.enable_compilation_cache(tempfile.mkdtemp())   # at the start of a job
         >>> path.is_dir()
         True
+        >>> jax.config.update("jax_compilation_cache_dir", before)   # (this example's clean-up)
     """
     configured = jax.config.jax_compilation_cache_dir
     if directory is None and configured:

@@ -117,6 +117,7 @@ def gpu_smoke(tmp_path_factory):
     return stdout, data, (tmp / "table.md").read_text()
 
 
+@pytest.mark.end_to_end  # benchmarks/gpu.py's runs: once, on CI's first leg (pyproject.toml's markers)
 def test_gpu_script_prints_one_table_with_every_ratio(gpu_smoke):
     stdout, data, table = gpu_smoke
     header = "| # | measurement | figure | goal | met |"
@@ -133,6 +134,7 @@ def test_gpu_script_prints_one_table_with_every_ratio(gpu_smoke):
     assert any(row["section"] == 10 and "walkers per second" in row["what"] for row in data["rows"])
 
 
+@pytest.mark.end_to_end  # benchmarks/gpu.py's runs: once, on CI's first leg (pyproject.toml's markers)
 def test_gpu_script_solvers_and_kernels_agree_with_the_hand_written_ones(gpu_smoke):
     rows = gpu_smoke[1]["rows"]
     solvers = {row["what"].split(": ")[1] for row in rows if row["section"] == 9 and "max rel diff" in row["what"]}
@@ -142,6 +144,7 @@ def test_gpu_script_solvers_and_kernels_agree_with_the_hand_written_ones(gpu_smo
             assert float(row["what"].split("max rel diff ")[1].split(";")[0].rstrip(")")) < 1e-5, row["what"]
 
 
+@pytest.mark.end_to_end  # benchmarks/gpu.py's runs: once, on CI's first leg (pyproject.toml's markers)
 def test_gpu_script_reports_the_local_energies_errors_against_float64(gpu_smoke):
     """Section 11 and the kernel rows give each value's error against float64 on the CPU, in hartree."""
     rows = gpu_smoke[1]["rows"]
@@ -157,6 +160,7 @@ def test_gpu_script_reports_the_local_energies_errors_against_float64(gpu_smoke)
     assert kernels and all("median" in row["what"] for row in kernels)
 
 
+@pytest.mark.end_to_end  # benchmarks/gpu.py's runs: once, on CI's first leg (pyproject.toml's markers)
 def test_gpu_script_reports_the_evaluations_error_at_trained_parameters(gpu_smoke):
     """Section 12: both networks after training, float32 (the platform's, the host CPU's) against float64."""
     rows = [row for row in gpu_smoke[1]["rows"] if row["section"] == 12]
@@ -168,38 +172,53 @@ def test_gpu_script_reports_the_evaluations_error_at_trained_parameters(gpu_smok
         assert -8.0 < mean < -2.0, row  # trained Li: between the initial guess and the exact -7.478
 
 
-def test_gpu_script_keeps_the_table_when_a_row_kills_its_process(tmp_path):
-    """A row whose process aborts (as XLA's compiler can) is that row's failure; the other rows are all there,
-    those after it in a new process (which makes again the data an earlier process made)."""
-    stdout, data = _run("gpu.py", "--smoke", "--only", "solvers,dispatch", "--abort-in", "minsr", tmp_path=tmp_path)
-    rows = {row["what"]: row["figure"] for row in data["rows"]}
+@pytest.fixture(scope="module")
+def gpu_faults(tmp_path_factory):
+    """stdout, JSON and rows (what: figure) of one ``gpu.py --smoke`` run of its cheapest rows (dispatch, then the
+    solvers' data, dense, minsr, spring, cg: a few seconds each) in which minsr's process aborts (as XLA's compiler
+    can) and spring's row never returns (a compile that hangs) past a 30 s ``--row-limit`` (over ten times what
+    these rows take on a busy CPU): both faults' tests read this one run."""
+    args = ("--smoke", "--only", "solvers,dispatch", "--abort-in", "minsr", "--hang-in", "spring", "--row-limit", "30")
+    stdout, data = _run("gpu.py", *args, tmp_path=tmp_path_factory.mktemp("gpu_faults"), timeout=480)
+    return stdout, data, {row["what"]: row["figure"] for row in data["rows"]}
+
+
+def _solved(rows: dict[str, str]) -> set[str]:
+    """The solver rows that computed their figures (``max rel diff`` in their name), by method."""
+    return {what.split(": ")[1] for what in rows if "max rel diff" in what}
+
+
+@pytest.mark.end_to_end  # benchmarks/gpu.py's runs: once, on CI's first leg (pyproject.toml's markers)
+def test_gpu_script_keeps_the_table_when_a_row_kills_its_process(gpu_faults):
+    """A row whose process aborts is that row's failure; the other rows are all there, those after it in a new
+    process (which makes again the data an earlier process made)."""
+    stdout, data, rows = gpu_faults
     crashed = [what for what in rows if what.endswith("minsr")]
     assert len(crashed) == 1 and rows[crashed[0]].startswith("failed: the process died (signal 6)"), rows
-    solved = {what.split(": ")[1] for what in rows if "max rel diff" in what}
-    assert solved == {"dense", "spring", "cg"}, rows  # dense before the crash, spring and cg after it
-    assert any(row["section"] == 2 for row in data["rows"])
+    assert _solved(rows) == {"dense", "cg"}, rows  # dense before the crash, cg after it (spring: the hang, below)
+    assert any(row["section"] == 2 and "[" in row["figure"] for row in data["rows"])  # dispatch, before it
     assert stdout.count("| # | measurement | figure | goal | met |") == 1
 
 
-def test_gpu_script_stops_a_row_past_its_limit_and_goes_on(tmp_path):
+@pytest.mark.end_to_end  # benchmarks/gpu.py's runs: once, on CI's first leg (pyproject.toml's markers)
+def test_gpu_script_stops_a_row_past_its_limit_and_goes_on(gpu_faults):
     """A row that never returns (a compile that hangs) is stopped at --row-limit as that row's failure; the rows
     after it run in a new process and the table keeps every row."""
-    args = ("--smoke", "--only", "errors,dispatch", "--hang-in", "corpus", "--row-limit", "60")
-    stdout, data = _run("gpu.py", *args, tmp_path=tmp_path, timeout=480)
-    rows = {row["what"]: row["figure"] for row in data["rows"]}
-    hung = [what for what in rows if "corpus" in what]
-    assert len(hung) == 1 and rows[hung[0]].startswith("failed: still running after the 60 s row limit"), rows
-    assert any("templates" in what and "median" in figure for what, figure in rows.items())  # before it
-    assert any(row["section"] == 2 and "[" in row["figure"] for row in data["rows"])  # after it, in a new process
+    stdout, _, rows = gpu_faults
+    hung = [what for what in rows if what.endswith("spring")]
+    assert len(hung) == 1 and rows[hung[0]].startswith("failed: still running after the 30 s row limit"), rows
+    assert "dense" in _solved(rows) and "cg" in _solved(rows), rows  # before it; after it, in a new process
     assert stdout.count("| # | measurement | figure | goal | met |") == 1
 
 
+@pytest.mark.end_to_end  # benchmarks/gpu.py's runs: once, on CI's first leg (pyproject.toml's markers)
 def test_gpu_script_skips_rows_past_its_budget(tmp_path):
     stdout, data = _run("gpu.py", "--smoke", "--only", "solvers", "--budget", "0.001", tmp_path=tmp_path)
     assert data["rows"] and all(row["figure"].startswith("skipped") for row in data["rows"])
     assert stdout.count("| # | measurement | figure | goal | met |") == 1
 
 
+@pytest.mark.end_to_end  # benchmarks/netket.py's smoke run: once, on CI's first leg
 def test_netket_comparison_runs_its_shardvmc_side_without_netket(tmp_path):
     # NetKet is an optional benchmark dependency (pip install -e ".[bench]"), not in the test environment:
     # --smoke runs shardvmc's side of benchmarks/netket.py alone, with 13 walkers on the 8 fake devices.

@@ -13,11 +13,6 @@ import subprocess
 import sys
 import textwrap
 
-import jax
-import pytest
-
-import shardvmc as sv
-
 JOB = textwrap.dedent(
     """
     import json, sys
@@ -86,11 +81,3 @@ def test_a_directory_given_to_run_and_one_jax_has_and_off(tmp_path):
     assert off["dir"] is None and off["hits"] == 0
     unset = _job(tmp_path, {"SHARDVMC_COMPILATION_CACHE": str(tmp_path / "unused")}, compilation_cache=False)
     assert unset["dir"] is None and not (tmp_path / "unused").exists()
-
-
-def test_off_returns_none_and_sets_nothing(monkeypatch):
-    monkeypatch.setenv("SHARDVMC_COMPILATION_CACHE", "off")
-    if jax.config.jax_compilation_cache_dir:
-        pytest.skip("this process has a compilation cache directory (set by its environment)")
-    assert sv.enable_compilation_cache() is None
-    assert jax.config.jax_compilation_cache_dir is None

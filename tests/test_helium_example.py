@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import shardvmc as sv
+from shardvmc.testing import cpu_environment
 
 pytestmark = pytest.mark.end_to_end  # CI's second leg leaves it out (pyproject.toml's markers)
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "helium_vmc.py"
@@ -107,7 +108,8 @@ def test_example_doctests(helium):
 
 
 def test_command_line_writes_json(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # let --devices create the devices
+    env = dict(os.environ)
+    cpu_environment(env, None, replace=True)  # --devices creates the devices; the suite's fast-compile flags stay
     env["JAX_PLATFORMS"] = "cpu"
     path = tmp_path / "he.json"
     args = ["--walkers", "101", "--steps", "5", "--eval-steps", "32", "--devices", "3", "--seed", "4"]

