@@ -66,7 +66,7 @@ def enable_compilation_cache(
         True
         >>> jax.config.update("jax_compilation_cache_dir", before)   # (this example's clean-up)
     """
-    configured = jax.config.jax_compilation_cache_dir
+    configured = getattr(jax.config, "jax_compilation_cache_dir")  # (a dynamic attribute of JAX's config)
     if directory is None and configured:
         path = Path(configured)
     else:
