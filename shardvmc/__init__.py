@@ -27,6 +27,7 @@ from ._checkpoint import save_state as save_state
 from ._checkpoint import save_walkers as save_walkers
 from ._checkpoint import wait_for_saves as wait_for_saves
 from ._compiler import compiler_options as compiler_options
+from ._compiler import guard_cpu_runtime as _guard_cpu_runtime
 from ._decorator import WalkerParallel as WalkerParallel
 from ._decorator import replicated_args as replicated_args
 from ._decorator import walker_parallel as walker_parallel
@@ -79,6 +80,8 @@ from ._vmap import shard_map_wrap as shard_map_wrap
 from ._vmap import shard_vmap as shard_vmap
 from ._vmap import sharded_batched_vmap as sharded_batched_vmap
 from ._walkerset import WalkerSet as WalkerSet
+
+_guard_cpu_runtime()  # importing starts no backend: XLA reads its flags once, when one starts
 
 __version__ = "0.4.0"
 

@@ -7,7 +7,9 @@ at least as many CPU devices as cores (fake devices on a workstation), every dev
 runs its program on a thread of its own: Eigen's thread pool, which XLA's matrix products
 share, then adds only hand-offs between threads (a quarter of DeepQMC's sampler step on 8
 devices and 2 cores). And XLA's concurrency-optimised scheduler can deadlock a large CPU
-program (a FermiNet-size local energy never returned, every thread idle on a futex). So every
+program (a FermiNet-size local energy never returned, every thread idle on a futex): importing
+shardvmc turns it off in ``XLA_FLAGS`` while JAX's backend has not started
+(:func:`guard_cpu_runtime`; the compiler option alone did not stop that hang). So every
 program the library compiles itself, called at the top level (a kernel's, ``sv.driver.VMC.step``,
 ``sv.dmc.DMC``'s step), is compiled for CPUs without the fusions and without that scheduler,
 and with single-threaded products where the devices fill the cores;
@@ -27,9 +29,11 @@ from typing import Any
 import jax
 
 from ._caches import bounded
-from ._internals import tracing
+from ._internals import backends_initialized, tracing
 
-__all__ = ["compiler_options", "platform_jit"]
+__all__ = ["SCHEDULER_FLAG", "compiler_options", "guard_cpu_runtime", "platform_jit"]
+
+SCHEDULER_FLAG = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
 
 _Option = tuple[str, str | bool]
 _NO_YNN: _Option = ("xla_cpu_experimental_ynn_fusion_type", "")  # an empty list of fusion types: none
@@ -49,6 +53,20 @@ def _accepted(option: _Option) -> bool:
     except Exception:  # "No such compile option": compile as JAX does
         return False
     return True
+
+
+def guard_cpu_runtime() -> None:
+    """Turn XLA's concurrency-optimised CPU scheduler off for the process, while JAX's backend has not started.
+
+    Called when shardvmc is imported. The compiler option alone (:func:`compiler_options`) did
+    not stop the deadlock on jaxlib 0.10.2: the templates' network at FermiNet's size, N2's local
+    energy for 64 walkers on one CPU device, compiled with it and still never returned from its
+    first call, while with the flag in ``XLA_FLAGS`` five calls took 44 s. XLA reads the flags
+    once, when the backend starts; a flag that ``XLA_FLAGS`` names already is left as it is.
+    """
+    flags = os.environ.get("XLA_FLAGS", "")
+    if SCHEDULER_FLAG.split("=")[0] not in flags and not backends_initialized():
+        os.environ["XLA_FLAGS"] = f"{flags} {SCHEDULER_FLAG}".strip()
 
 
 def _cores() -> int:

@@ -11,16 +11,18 @@ from jax.core import Tracer
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from . import _internals
+from ._compiler import SCHEDULER_FLAG
 from ._mesh import walker_mesh
 
 __all__ = ["CPU_SCHEDULER_FLAG", "assert_replicated", "assert_walker_sharded", "cpu_environment", "set_cpu_devices"]
 
-CPU_SCHEDULER_FLAG = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
+CPU_SCHEDULER_FLAG = SCHEDULER_FLAG
 """The XLA flag that keeps XLA's CPU runtime from deadlocking on larger programs.
 
 With jaxlib 0.10.2, a compiled VMC step holding a folx local energy, a per-walker
 Jacobian and a linear solve runs its first call, then deadlocks on the second (every
 thread idle, the call never returns); the concurrency-optimised scheduler is the cause.
+Importing shardvmc sets it when JAX's backend has not started yet.
 """
 
 

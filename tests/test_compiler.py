@@ -113,3 +113,24 @@ def test_a_kernel_compiles_with_the_options_at_the_top_level_and_follows_the_cal
     outer = jax.jit(lambda p, x: 2 * kernel(p, x))
     assert ynn_fusions(outer.lower(PARAMS, r).compile()) > 0  # a nested jit takes no options: the caller's decide
     np.testing.assert_allclose(outer(PARAMS, r), 2 * jax.vmap(mlp, (None, 0))(PARAMS, r), rtol=1e-6)
+
+
+def test_importing_turns_the_cpu_scheduler_off_before_the_backend_starts():
+    """XLA reads its flags once: importing shardvmc adds the flag while no backend has started, and only then."""
+    import os
+    import subprocess
+    import sys
+
+    def flags_after_import(before: str = "", xla_flags: str | None = None) -> list[str]:
+        env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+        if xla_flags is not None:
+            env["XLA_FLAGS"] = xla_flags
+        code = f"import os, jax{before}; import shardvmc; print(os.environ.get('XLA_FLAGS', ''))"
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        return out.stdout.split()
+
+    assert flags_after_import() == [_compiler.SCHEDULER_FLAG]
+    assert flags_after_import(before="; jax.numpy.ones(1)") == []  # the backend has started: too late, left alone
+    mine = "--xla_cpu_enable_concurrency_optimized_scheduler=true"
+    assert flags_after_import(xla_flags=mine) == [mine]  # the user's choice wins
