@@ -466,3 +466,28 @@ def test_extrapolate_refuses_what_it_cannot_fit(time_steps, energies, match):
     with pytest.raises(sv.CallError, match=r"^shardvmc\.dmc\.extrapolate: " + match) as info:
         sv.dmc.extrapolate(time_steps, energies)
     assert "\n  fix:" in str(info.value)
+
+
+@pytest.mark.parametrize("x64", [True, False])
+def test_mixed_dtypes_give_the_local_energies_of_jax_vmap(x64):
+    """float32 walkers with x64 on and a float64 constant in log psi (``jnp.eye``): the walkers' local energies and
+    drifts are jax.vmap's of the Hessian trace, in its dtype (the two platforms' programs once disagreed on it)."""
+
+    def log_psi(b, r):
+        r12 = jnp.linalg.norm(r[:, None] - r[None] + jnp.eye(2)[..., None], axis=-1)[0, 1]
+        return -2.0 * jnp.sum(jnp.linalg.norm(r, axis=-1)) + 0.5 * r12 / (1.0 + b * r12)
+
+    def reference(b, r):
+        g = jax.grad(log_psi, 1)(b, r)
+        lap = jnp.trace(jax.hessian(lambda x: log_psi(b, x.reshape(r.shape)))(r.reshape(-1)))
+        return -0.5 * (lap + jnp.sum(g * g)) + helium_potential(r), g
+
+    with jax.enable_x64(x64):
+        r = jnp.asarray(0.7 * np.random.default_rng(0).normal(size=(13, 2, 3)), jnp.float32)
+        walkers = sv.WalkerSet(sv.shard_walker(r, mesh_of(1)), 13)
+        state = sv.dmc.DMC(log_psi, helium_potential, time_step=0.05).init(jnp.float32(0.3), walkers)
+        e, g = jax.vmap(reference, (None, 0))(jnp.float32(0.3), r)
+        data = state.walkers.data
+        assert data.local_energy.dtype == e.dtype and data.grad.dtype == g.dtype == jnp.float32
+        np.testing.assert_allclose(np.asarray(data.local_energy)[:13], e, rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(np.asarray(data.grad)[:13], g, rtol=1e-4, atol=1e-5)
