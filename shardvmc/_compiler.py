@@ -9,10 +9,10 @@ share, then adds only hand-offs between threads (a quarter of DeepQMC's sampler 
 devices and 2 cores). And XLA's concurrency-optimised scheduler can deadlock a large CPU
 program (a FermiNet-size local energy never returned, every thread idle on a futex): importing
 shardvmc turns it off in ``XLA_FLAGS`` while JAX's backend has not started
-(:func:`guard_cpu_runtime`; the compiler option alone did not stop that hang). So every
-program the library compiles itself, called at the top level (a kernel's, ``sv.driver.VMC.step``,
-``sv.dmc.DMC``'s step), is compiled for CPUs without the fusions and without that scheduler,
-and with single-threaded products where the devices fill the cores;
+(:func:`guard_cpu_runtime`; the compiler option alone did not stop that hang). So the steps
+the library compiles itself (``sv.driver.VMC.step``, ``sv.dmc.DMC``'s step), called at the top
+level as ``sv.driver.run`` calls them, are compiled for CPUs without the fusions and without
+that scheduler, and with single-threaded products where the devices fill the cores;
 ``jax.jit(step, compiler_options=sv.compiler_options())`` does the same for a step of your
 own. XLA takes compiler options from the outermost program only (JAX refuses them on a
 nested ``jax.jit``): a kernel or step called inside your ``jax.jit`` follows yours.

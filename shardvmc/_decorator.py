@@ -19,9 +19,8 @@ from jax.sharding import Mesh
 from . import _compat
 from ._caches import bounded, register_kernel
 from ._compat import CONTEXT_MESH, NO_CONTEXT_MESH
-from ._compiler import compiler_options
 from ._errors import ArgumentsError, CallError, DecorationError, ShardvmcError, UnhashableStaticError, message
-from ._internals import trace_state_clean, tracing
+from ._internals import tracing
 from ._kernel import (
     TRACED,
     Options,
@@ -108,12 +107,8 @@ class WalkerParallel:
         self._nested = nested
         self._missing: list[str] = []
         self._plans: dict[tuple[Any, ...], Plan] = {}  # by PlanKey, held as a plain tuple (cheaper to build)
-        # the kernel's jax.jit per (mesh, walker axes, top level): at the top level with the platform's compiler
-        # options (sv.compiler_options: XLA's CPU scheduler deadlock, slow fusions), which JAX refuses on a nested jit
-        self._jits: dict[tuple[Mesh, Any, bool], Any] = {}
-        # call_mesh's answer and its jit (__call__): called at the top level, and inside a trace
-        self._calls: dict[Any, tuple[Any, Mesh, Mesh | None]] = {}
-        self._traced_calls: dict[Any, tuple[Any, Mesh, Mesh | None]] = {}
+        self._jits: dict[tuple[Mesh, Any], Any] = {}  # the kernel's jax.jit per (mesh, walker axes)
+        self._calls: dict[Any, tuple[Any, Mesh, Mesh | None]] = {}  # call_mesh's answer and its jit (__call__)
         register_kernel(self)
         if layout is None:
             # Unmarked parameters are reported at the first call: a replicated_args(...) stacked above may
@@ -338,12 +333,11 @@ class WalkerParallel:
         if context is None or context is NO_CONTEXT_MESH or context.empty:  # _compat.context_mesh(), inlined
             key = chosen
         else:
-            key = (chosen, context)
-        calls = self._calls if trace_state_clean() else self._traced_calls  # not tracing(): one call less
+            key = (chosen, context, tracing())
         try:
-            jitted, mesh, enter = calls[key]
+            jitted, mesh, enter = self._calls[key]
         except (KeyError, TypeError):  # TypeError: no mesh at all (a list of devices, say): call_mesh explains
-            jitted, mesh, enter = self._resolve(key, calls)
+            jitted, mesh, enter = self._resolve(key)
         if n_valid is not None:
             n_valid = self._n_valid_argument(args, n_valid)
         try:
@@ -366,39 +360,29 @@ class WalkerParallel:
         self._plans.clear()
         self._jits.clear()
         self._calls.clear()
-        self._traced_calls.clear()
 
-    def _resolve(self, key: Any, calls: dict[Any, Any]) -> tuple[Any, Mesh, Mesh | None]:
-        """The jit, mesh and mesh to enter of a call (``call_mesh``), kept in ``calls`` when ``key`` is hashable."""
+    def _resolve(self, key: Any) -> tuple[Any, Mesh, Mesh | None]:
+        """The jit, mesh and mesh to enter of a call (``call_mesh``), kept under ``key`` when it is hashable."""
         mesh, axis, enter = call_mesh(self._mesh, self._options.axis_name, self._qualname)
-        found = (self._jit_for(mesh, axis), mesh, enter)
-        if len(calls) > 64:  # meshes and contexts are few; a program that builds many keeps this bounded
-            calls.clear()
+        found = (self._jits.get((mesh, axis)) or self._jit_for(mesh, axis), mesh, enter)
+        if len(self._calls) > 64:  # meshes and contexts are few; a program that builds many keeps this bounded
+            self._calls.clear()
         with contextlib.suppress(TypeError):
-            calls[key] = found
+            self._calls[key] = found
         return found
 
     def _jit_for(self, mesh: Mesh, axis: str | tuple[str, ...]) -> Any:
-        """The kernel's ``jax.jit`` on ``mesh`` for the caller (one per mesh, walker axes and top level or not).
-
-        Built at its first call; at the top level with the mesh platform's compiler options.
-        """
-        top = not tracing()
-        jitted = self._jits.get((mesh, axis, top))
-        if jitted is not None:
-            return jitted
+        """The kernel's ``jax.jit`` on ``mesh`` (one per mesh and walker axes; built at their first call)."""
         shardings = pinned_out_shardings(self._layout, mesh, axis)
         if shardings is not None and self._verify:
             shardings = (shardings, None)
-        options = compiler_options(mesh_platform(mesh)) if top else None
         jitted = jax.jit(
             functools.partial(self._traced, mesh, axis),
             static_argnums=self._spec.static_idx,
             static_argnames=("parts",),
             out_shardings=shardings,
-            compiler_options=options or None,
         )
-        self._jits[(mesh, axis, top)] = jitted
+        self._jits[(mesh, axis)] = jitted
         return jitted
 
     def _traced(
@@ -463,7 +447,7 @@ class WalkerParallel:
     def _call_on(self, mesh: Mesh, args: tuple[Any, ...], n_valid: Any) -> Any:
         """The call on ``mesh`` (where its walkers live), its other arrays moved there."""
         mesh = _compat.auto_axes_mesh(mesh)
-        jitted = self._jit_for(mesh, self._options.axis_name)
+        jitted = self._jits.get((mesh, self._options.axis_name)) or self._jit_for(mesh, self._options.axis_name)
         args = onto_mesh(mesh, args)
         return jitted(*args) if n_valid is None else jitted(*args, n_valid=n_valid)
 
@@ -546,7 +530,7 @@ class WalkerParallel:
         """
         args = self._arguments(args, kwargs)
         mesh, axis, enter = call_mesh(self._mesh, self._options.axis_name, self._qualname)
-        jitted = self._jit_for(mesh, axis)
+        jitted = self._jits.get((mesh, axis)) or self._jit_for(mesh, axis)
         if n_valid is not None:
             n_valid = self._n_valid_argument(args, n_valid)
         split = self._partition(args)

@@ -92,17 +92,16 @@ CONTEXT_MESH, NO_CONTEXT_MESH = _context_mesh_state()
 # When it can go: when JAX offers a public spelling; then call that.
 
 try:
-    from jax._src.core import trace_state_clean as trace_state_clean
+    from jax._src.core import trace_state_clean as _trace_state_clean
 except ImportError:  # pragma: no cover - another JAX layout: assume a trace (the context mesh is used)
 
-    def trace_state_clean() -> bool:
-        """Whether the caller runs at the top level, outside every JAX trace (the per-call path's spelling)."""
+    def _trace_state_clean() -> bool:
         return False
 
 
 def tracing() -> bool:
     """Whether the caller runs inside a JAX trace (``jax.jit``, a transformation, a control-flow body)."""
-    return not trace_state_clean()
+    return not _trace_state_clean()
 
 
 # ----------------------------------------------------------------------------- jaxprs

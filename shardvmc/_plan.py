@@ -326,13 +326,9 @@ def _largest_fitting_chunk(
     compiled memory grows with the chunk, so a bisection needs a few compilations at most
     (one when everything fits at once).
     """
-    from ._compiler import compiler_options
     from ._memory import compiled_memory, device_memory_budget, format_bytes
-    from ._platform import mesh_platform
 
     mesh = key.mesh
-    # with the options of the kernel's own program (a kernel called at the top level), whose memory they change
-    options_of_platform = compiler_options(mesh_platform(mesh)) or None
     abstract = (_abstract(dyn), None if n_valid is None else _abstract(n_valid))
     per_device = -(-key.n_walkers // _compat.axis_size(mesh, options.axis_name))
     budget = options.memory_budget or device_memory_budget(mesh.devices.flat[0])
@@ -344,7 +340,7 @@ def _largest_fitting_chunk(
         if bs not in tried:
             run = jitted(dataclasses.replace(options, batch_size=bs))
             # Compiled here, while the call traces: abstract arguments (a tracer cannot be lowered with).
-            compiled = run.lower(*abstract).compile(options_of_platform)
+            compiled = run.lower(*abstract).compile()
             tried[bs] = (run, compiled_memory(compiled).total_bytes)
         return tried[bs][1]
 

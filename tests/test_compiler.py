@@ -104,17 +104,6 @@ def test_inside_a_users_jit_the_users_options_decide(plain_has_fusions):
     np.testing.assert_allclose(jax.jit(step)(PARAMS, r), jax.vmap(mlp, (None, 0))(PARAMS, r), rtol=1e-6)  # jit of it
 
 
-def test_a_kernel_compiles_with_the_options_at_the_top_level_and_follows_the_caller_inside(plain_has_fusions):
-    """A kernel's own program (called eagerly, lowered) has the platform's options; in the user's jit, the user's."""
-    kernel = sv.walker_parallel(mlp)  # (params: Replicated, r: PerWalker) -> PerWalker
-    r = walkers()
-    assert ynn_fusions(kernel.lower(PARAMS, r).compile()) == 0
-    np.testing.assert_allclose(kernel(PARAMS, r), jax.vmap(mlp, (None, 0))(PARAMS, r), rtol=1e-6)
-    outer = jax.jit(lambda p, x: 2 * kernel(p, x))
-    assert ynn_fusions(outer.lower(PARAMS, r).compile()) > 0  # a nested jit takes no options: the caller's decide
-    np.testing.assert_allclose(outer(PARAMS, r), 2 * jax.vmap(mlp, (None, 0))(PARAMS, r), rtol=1e-6)
-
-
 def test_importing_turns_the_cpu_scheduler_off_before_the_backend_starts():
     """XLA reads its flags once: importing shardvmc adds the flag while no backend has started, and only then."""
     import os

@@ -57,7 +57,7 @@ def test_context_mesh_is_jax_private_state_and_reads_set_mesh():
 def test_tracing_is_jax_trace_state_and_sees_every_transform():
     from jax._src.core import trace_state_clean
 
-    assert _internals.trace_state_clean is trace_state_clean  # not the fallback
+    assert _internals._trace_state_clean is trace_state_clean  # not the fallback
     assert not _internals.tracing()
     seen = []
 
