@@ -16,6 +16,8 @@ from pathlib import Path
 
 import jax
 
+from . import _internals
+
 __all__ = ["ENV_VAR", "enable_compilation_cache"]
 
 ENV_VAR = "SHARDVMC_COMPILATION_CACHE"
@@ -27,8 +29,18 @@ def _default_directory() -> Path:
     return Path(base) / "shardvmc" / "jax"
 
 
+def _several_processes() -> bool:
+    """Whether this process is one of a job of several (JAX's distributed runtime, or shardvmc.launch's variables)."""
+    from . import distributed  # (distributed imports the package's kernels; here only when called)
+
+    return (_internals.distributed_settings()["num_processes"] or 1) > 1 or distributed.is_launched()
+
+
 def enable_compilation_cache(
-    directory: str | os.PathLike[str] | None = None, *, min_compile_seconds: float = 0.0
+    directory: str | os.PathLike[str] | None = None,
+    *,
+    min_compile_seconds: float = 0.0,
+    several_processes: bool = False,
 ) -> Path | None:
     """Keep compiled programs on disk, so that the next run of the same job loads them instead of compiling.
 
@@ -38,6 +50,11 @@ def enable_compilation_cache(
     given. The directory is, in order: ``directory``; JAX's; ``$SHARDVMC_COMPILATION_CACHE``;
     ``$XDG_CACHE_HOME/shardvmc/jax`` (``~/.cache/shardvmc/jax``). ``SHARDVMC_COMPILATION_CACHE=off``
     turns it off (nothing is set; returns ``None``).
+
+    In a job of several processes (``jax.distributed`` initialised, or started by
+    ``python -m shardvmc.launch``) it sets nothing and returns ``None`` unless
+    ``several_processes=True``: on JAX 0.12.1 a job of two CPU processes hung at its start with
+    the cache on (it ran on JAX 0.10.2). Try it on your cluster before you rely on it there.
 
     Processes on one machine, and the processes of a multi-host job on a shared file system,
     may use one directory at once: JAX writes from process 0 only, each program under a hash
@@ -54,9 +71,11 @@ def enable_compilation_cache(
     Args:
         directory: where the compiled programs live; ``None``: see above.
         min_compile_seconds: keep only programs that took at least this long to compile.
+        several_processes: turn it on in a job of several processes too (see above).
 
     Returns:
-        The cache's directory, or ``None`` where ``SHARDVMC_COMPILATION_CACHE=off``.
+        The cache's directory, or ``None`` where ``SHARDVMC_COMPILATION_CACHE=off`` or in a job of
+        several processes without ``several_processes=True``.
 
     Example:
         >>> import jax, tempfile, shardvmc as sv
@@ -66,6 +85,8 @@ def enable_compilation_cache(
         True
         >>> jax.config.update("jax_compilation_cache_dir", before)   # (this example's clean-up)
     """
+    if not several_processes and _several_processes():
+        return None
     configured = getattr(jax.config, "jax_compilation_cache_dir")  # (a dynamic attribute of JAX's config)
     if directory is None and configured:
         path = Path(configured)
