@@ -66,6 +66,17 @@ if _CACHE:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)  # most programs compile in under 1 s
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)  # every size
 
+# orbax-checkpoint 0.12.8 reads jax.sharding.SingleDeviceSharding at import, which JAX 0.12 deprecates: imported once
+# here, quietly, so that whichever test (or docs example) imports it first does not turn its warning into an error.
+import warnings  # noqa: E402
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore", DeprecationWarning)
+    try:
+        import orbax.checkpoint  # noqa: F401
+    except ImportError:  # the checkpoint extra is not installed: its tests skip
+        pass
+
 # The doctests of the modules that need kfac-jax, which may be installed without supporting the
 # installed JAX (kfac-jax 0.0.8 cannot be imported on JAX >= 0.11): there each module is collected
 # as one skip with the reason (shardvmc.kfac's ImportError: the versions and the fix), not as an error.
