@@ -41,7 +41,7 @@ _ONE_THREAD: _Option = ("xla_cpu_multi_thread_eigen", False)
 # XLA's concurrency-optimised scheduler of CPU programs can deadlock a large one (every thread idle on a futex,
 # the call never returns: a FermiNet-size local energy on its first call, a step with a Jacobian and a solve on its
 # second; jaxlib 0.10.2). Without it the same programs ran in the same time.
-_NO_CONCURRENT_SCHEDULER: _Option = ("xla_cpu_enable_concurrency_optimized_scheduler", False)
+_NO_CONCURRENT_SCHEDULER: _Option = (SCHEDULER_FLAG.split("=")[0].removeprefix("--"), False)  # the flag, per compile
 
 
 @bounded(8)
