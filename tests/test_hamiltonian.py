@@ -79,7 +79,7 @@ def _expected(log_psi):
     with jax.enable_x64(True):
         params = jax.tree.map(lambda a: a.astype(jnp.float64), _params())
         r = jax.random.normal(jax.random.key(1), (13, 3, 3), jnp.float64)
-        return params, r, jax.vmap(lambda x: reference(log_psi, params, x))(r)
+        return params, r, jax.jit(jax.vmap(lambda x: reference(log_psi, params, x)))(r)  # jitted: eager, minutes
 
 
 @pytest.mark.parametrize("log_psi", [network, complex_network], ids=["real", "complex"])
@@ -124,7 +124,7 @@ def test_on_1_3_and_8_devices_and_chunked_equals_vmap(walkers):
     """The kernel on meshes that do not divide 13 walkers, and chunked, equals jax.vmap on one device."""
     params = _params()
     r = walkers.astype(jnp.float32)
-    expected = np.asarray(jax.vmap(lambda x: kinetic_energy(network, params, x) + potential(x))(r))
+    expected = np.asarray(jax.jit(jax.vmap(lambda x: kinetic_energy(network, params, x) + potential(x)))(r))
     for k, batch_size in ((1, None), (3, 2), (8, None)):
         mesh = _mesh(k)
         padded, n_valid = sv.pad_walker(np.asarray(r), sv.pad_n_walkers(13, mesh.devices.size))
@@ -207,7 +207,7 @@ def test_mixed_dtypes_give_what_jax_vmap_gives(x64, param_dtype, walker_dtype, l
     with jax.enable_x64(x64):
         params = jax.tree.map(lambda a: a.astype(param_dtype), _params())
         r = jax.random.normal(jax.random.key(3), (5, 3, 3)).astype(walker_dtype)
-        expected = jax.vmap(lambda x: reference(masked_pairs, params, x))(r)
+        expected = jax.jit(jax.vmap(lambda x: reference(masked_pairs, params, x)))(r)  # eager: op by op, 20 s
         # one device: the dtypes are the point here (the meshes and padding are tested above), and compile faster
         energy = local_energy(masked_pairs, potential, laplacian=laplacian, sparsity_threshold=threshold, mesh=_mesh(1))
         got = energy(params, r)
@@ -215,8 +215,9 @@ def test_mixed_dtypes_give_what_jax_vmap_gives(x64, param_dtype, walker_dtype, l
         tol = 5e-2 if param_dtype == jnp.bfloat16 else 2e-4
         np.testing.assert_allclose(np.asarray(got, np.float64), np.asarray(expected, np.float64), rtol=tol, atol=tol)
         # outside any kernel (the user's own jax.jit): both platforms' programs are traced, and agree on the types
-        kinetic = jax.jit(jax.vmap(lambda x: kinetic_energy(masked_pairs, params, x, laplacian=laplacian)))(r)
-        assert kinetic.dtype == jax.vmap(jax.grad(lambda x: masked_pairs(params, x)))(r).dtype
+        # (traced only: eval_shape; the values are the kernel's, above)
+        kinetic = jax.eval_shape(jax.vmap(lambda x: kinetic_energy(masked_pairs, params, x, laplacian=laplacian)), r)
+        assert kinetic.dtype == jax.eval_shape(jax.vmap(jax.grad(lambda x: masked_pairs(params, x))), r).dtype
 
 
 def test_a_kernel_traces_its_own_platforms_program_alone(monkeypatch, walkers):

@@ -82,7 +82,7 @@ def test_the_rewrite_computes_the_same_function_and_derivatives():
         return g(flat), jax.grad(g)(flat), jnp.trace(jax.hessian(g)(flat))
 
     with jax.enable_x64(True):
-        ref = jax.vmap(lambda x: derivatives(_network, x))(r.astype(np.float64))
+        ref = jax.jit(jax.vmap(lambda x: derivatives(_network, x)))(r.astype(np.float64))
     got = jax.jit(jax.vmap(_numerics._rewrite(lambda x: derivatives(_network, x))))(r.astype(np.float32))
     for a, b in zip(got, ref):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4, atol=2e-4)
