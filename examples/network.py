@@ -107,6 +107,20 @@ def sign(params: dict, r: jax.Array, system: System) -> jax.Array:
     return signed_log_psi(params, r, system)[0]
 
 
+def spin_means(x: jax.Array, n_up: int, axis: int) -> tuple[jax.Array, jax.Array]:
+    """Each electron's means of ``x`` over the electrons (``axis``) of its own spin and of the opposite spin.
+
+    ``x`` is the one-electron stream ``(n, H)`` (``axis=0``) or the two-electron stream ``(n, n, H2)``
+    (``axis=1``, over the second electron); returns ``(same, opposite)``, each ``(n, H)``; the mean over no
+    electrons is 0. Slices and sums rather than products with ``(n, n)`` averaging matrices: on a TPU a matrix
+    product over 3 or 4 electrons pads them to tiles of 8 x 128 (``benchmarks/RESULTS.md``).
+    """
+    means = [jnp.mean(part, axis=axis) if part.shape[axis] else jnp.zeros_like(jnp.take(x, 0, axis=axis))
+             for part in jnp.split(x, [n_up], axis=axis)]  # fmt: skip
+    is_up = (jnp.arange(x.shape[0]) < n_up)[:, None]
+    return jnp.where(is_up, means[0], means[1]), jnp.where(is_up, means[1], means[0])
+
+
 def signed_log_psi(params: dict, r: jax.Array, system: System) -> tuple[jax.Array, jax.Array]:
     """``(sign of psi, log|psi|)`` of ONE walker ``r`` (n_electrons, 3).
 
@@ -127,11 +141,8 @@ def signed_log_psi(params: dict, r: jax.Array, system: System) -> tuple[jax.Arra
     two = jnp.concatenate([ee, r_ee[..., None]], axis=-1)
 
     up = jnp.arange(n) < n_up
-    same = (up[:, None] == up[None, :]).astype(r.dtype)
-    same, opposite = same / same.sum(-1, keepdims=True), (1 - same) / jnp.maximum((1 - same).sum(-1, keepdims=True), 1)
     for layer in params["layers"]:
-        mixed = [one, same @ one, opposite @ one, jnp.einsum("ij,ijk->ik", same, two),
-                 jnp.einsum("ij,ijk->ik", opposite, two)]  # fmt: skip
+        mixed = [one, *spin_means(one, n_up, axis=0), *spin_means(two, n_up, axis=1)]
         new_one = jnp.tanh(jnp.concatenate(mixed, axis=-1) @ layer["one"]["w"] + layer["one"]["b"])
         one = new_one + one if new_one.shape == one.shape else new_one  # residual where the widths agree
         if "two" in layer:

@@ -36,9 +36,12 @@ def _eliminate(a: jax.Array, inverse: bool) -> tuple[jax.Array, jax.Array, jax.A
     diagonal, swap it up, eliminate (below the pivot for the determinant; above too, on
     ``[a | I]``, for the inverse). A singular matrix gives ``log|det| = -inf``. The columns
     are a ``fori_loop``: the program does not grow with ``n`` (unrolled, the local energy of
-    30 electrons compiled its 15 steps per determinant, with their derivatives, one by one).
+    30 electrons compiled its 15 steps per determinant, with their derivatives, one by one). A 1 x 1 or 2 x 2
+    matrix takes the closed form instead (``_closed_form``): the loop's steps cost more than the arithmetic there.
     """
     n = a.shape[-1]
+    if n <= 2:
+        return _closed_form(a, inverse)
     m = jnp.concatenate([a, jnp.broadcast_to(jnp.eye(n, dtype=a.dtype), a.shape)], axis=-1) if inverse else a
     rows = jnp.arange(n)
 
@@ -63,6 +66,21 @@ def _eliminate(a: jax.Array, inverse: bool) -> tuple[jax.Array, jax.Array, jax.A
     init = (m, jnp.ones(a.shape[:-2], a.dtype), jnp.zeros(a.shape[:-2], a.dtype))
     m, sign, logdet = jax.lax.fori_loop(0, n, column, init)
     return sign, logdet, (m[..., n:] if inverse else None)
+
+
+def _closed_form(a: jax.Array, inverse: bool) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+    """``_eliminate`` of ``1 x 1`` and ``2 x 2`` matrices: ``det = ps - qr``, ``a^-1 = [[s, -q], [-r, p]] / det``.
+
+    No loop, no pivot search: on a TPU v5e (4,096 walkers, 2026-12-07) the templates' Be local energy (2 x 2
+    matrices for both spins) took 0.72 of its time with the loop, Li (2 x 2 and 1 x 1) 0.87.
+    """
+    if a.shape[-1] == 1:
+        x = a[..., 0, 0]
+        return jnp.sign(x), jnp.log(jnp.abs(x)), (1.0 / a if inverse else None)
+    p, q, r, s = a[..., 0, 0], a[..., 0, 1], a[..., 1, 0], a[..., 1, 1]
+    det = p * s - q * r
+    inv = jnp.stack([jnp.stack([s, -q], -1), jnp.stack([-r, p], -1)], -2) / det[..., None, None] if inverse else None
+    return jnp.sign(det), jnp.log(jnp.abs(det)), inv
 
 
 def _slogdet_values(a: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -156,6 +174,15 @@ def slogdet(a: jax.Array) -> tuple[jax.Array, jax.Array]:
     return shardvmc_slogdet(a)
 
 
+MAX_BROADCAST = 4
+"""The largest ``n`` whose forward-Laplacian products (``M_c = A^-1 dA/dx_c`` and its traces) are broadcast
+products and sums rather than ``einsum``'s matrix products. A TPU lays a matrix product's operands out with
+the two matrix axes innermost, padded to tiles of 8 x 128 (or 2 x 128): for 2 x 2 matrices those products
+and the layout copies around them took about half of the 1.15 ms a TPU v5e spent on the templates' Li local
+energy (4,096 walkers, 2026-12-07); as broadcast products the compiler puts the walkers innermost, and the
+whole local energy ran 1.20 ms a call instead of 1.87 (wall clock, 3.4 M walker evaluations a second)."""
+
+
 def _forward_laplacian(args: tuple, kwargs: dict, sparsity_threshold: int) -> tuple:
     """folx's rule for :func:`slogdet`: ``d_c log|det A| = tr(M_c)``, ``lap = tr(A^-1 lap A) - sum_c tr(M_c M_c)``.
 
@@ -166,9 +193,16 @@ def _forward_laplacian(args: tuple, kwargs: dict, sparsity_threshold: int) -> tu
     if not isinstance(a, FwdLaplArray):
         return _slogdet(a)
     sign, logdet, a_inv = _values_and_inverse(a.x)
-    m = jnp.einsum("...ij,k...jl->k...il", a_inv, a.jacobian.dense_array)
-    jacobian = jnp.einsum("k...ii->k...", m)
-    laplacian = jnp.einsum("...ji,...ij->...", a_inv, a.laplacian) - jnp.einsum("k...ij,k...ji->...", m, m)
+    jac = a.jacobian.dense_array
+    if a.x.shape[-1] <= MAX_BROADCAST:
+        m = jnp.sum(a_inv[..., :, :, None] * jac[..., None, :, :], axis=-2)
+        jacobian = jnp.trace(m, axis1=-2, axis2=-1)
+        laplacian = jnp.sum(jnp.swapaxes(a_inv, -1, -2) * a.laplacian, axis=(-2, -1))
+        laplacian = laplacian - jnp.sum(m * jnp.swapaxes(m, -1, -2), axis=(0, -2, -1))
+    else:
+        m = jnp.einsum("...ij,k...jl->k...il", a_inv, jac)
+        jacobian = jnp.einsum("k...ii->k...", m)
+        laplacian = jnp.einsum("...ji,...ij->...", a_inv, a.laplacian) - jnp.einsum("k...ij,k...ji->...", m, m)
     return sign, FwdLaplArray(logdet, FwdJacobian.from_dense(jacobian), laplacian)
 
 
