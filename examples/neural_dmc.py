@@ -103,7 +103,7 @@ def report(s: dict[str, Any]) -> list[str]:
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Run the example from the command line."""
     choices = {"system": sorted(SYSTEMS), "optimiser": vmc.OPTIMISERS}
-    args, config = plumbing.parse_args(argv, Config, __doc__, quick=QUICK, choices=choices)
+    args, config = plumbing.parse_args(argv, Config, __doc__, quick=QUICK, choices=choices, sizes=vmc.SIZES)
     mesh = plumbing.start(args.devices)
     plumbing.announce(mesh, config.dtype)  # the header: devices and precision
     summary = run(config, mesh, checkpoint=args.checkpoint)

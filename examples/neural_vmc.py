@@ -9,6 +9,7 @@ logs, checkpoints; a preemption notice saves the state and exits with 75; the sa
 
     python examples/neural_vmc.py --system Li                      # minSR; 8 fake CPU devices
     python examples/neural_vmc.py --quick --devices 1              # a smoke test: seconds
+    python examples/neural_vmc.py --system N2 --size ferminet      # FermiNet's network; refused if it cannot fit
     python examples/neural_vmc.py --checkpoint run --checkpoint-every 50 [--devices 4]   # again: goes on from there
     python -m shardvmc.launch --processes 2 --devices-per-process 2 -- python examples/neural_vmc.py --quick
 """
@@ -34,6 +35,8 @@ import shardvmc.optax as svx
 
 OPTIMISERS = ("minsr", "spring", "dense", "cg")
 CHEMICAL_ACCURACY = 1.6e-3  # Hartree (1 kcal/mol)
+MEMORY_FIX = ("here: fewer --walkers, more --devices (or chips), or KFAC: examples/kfac_vmc.py; "
+              "--batch-size bounds the local energy's memory, not J's")  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +64,7 @@ class Config:
     clip: float = 5.0  # local energies clipped to mean +- clip mean absolute deviations
     batch_size: int | None = None
     dtype: str = "auto"  # float64 where the platform has it, float32 on TPUs (sv.precision_policy)
+    memory_budget: int | None = None  # bytes per device; None: the device's (sv.natural_gradient_memory)
 
     def schedule(self, t: jax.Array) -> jax.Array:
         """FermiNet's inverse-time decay of the learning rate (optax has none), an optax schedule."""
@@ -69,6 +73,8 @@ class Config:
 
 QUICK = {"walkers": 64, "steps": 6, "eval_steps": 4, "hidden": 8, "hidden_two": 4, "layers": 1,
          "determinants": 1, "sweeps": 2, "burn_in": 4}  # fmt: skip  # --quick: a tiny network (a smoke test)
+# --size: the network's widths; FermiNet's default network (Pfau et al. 2020): 4 layers of 256/32 units, 16 determinants
+SIZES = {"examples": {}, "ferminet": {"hidden": 256, "hidden_two": 32, "layers": 4, "determinants": 16}}
 
 
 # --8<-- [start:kernels]
@@ -125,6 +131,12 @@ def make_sampler(config: Config, mesh: Any) -> sv.mcmc.Metropolis:
     return sv.mcmc.Metropolis(psi, n_steps=config.sweeps, mesh=mesh, batch_size=config.batch_size)
 
 
+def network_sizes(config: Config, mesh: Any) -> tuple[Any, ...]:
+    """``init``'s arguments after the system: the widths, layers, determinants and the dtype of the mesh's platform."""
+    dtype = sv.precision_policy(config.dtype, mesh=mesh).dtype
+    return config.hidden, config.hidden_two, config.layers, config.determinants, dtype
+
+
 @functools.cache  # the same function for the same system: sv.driver.expect then reuses its compiled evaluation
 def energy_of(system: str) -> Callable[[Any, jax.Array], jax.Array]:
     """The local energy of ONE walker of ``system``, ``energy(params, r)``: the evaluation's observable."""
@@ -140,11 +152,21 @@ def step_stats(e_mean: jax.Array, e2_mean: jax.Array, n: int, acceptance: jax.Ar
 # --8<-- [start:step]
 @functools.cache  # one compilation per setting and mesh (runs that differ only in their seed share it)
 def make_steps(config: Config, mesh: Any) -> Steps:
-    """The natural gradient: an optax chain of the direction, the Fisher-norm bound, the learning rate."""
+    """The natural gradient: an optax chain of the direction, the Fisher-norm bound, the learning rate.
+
+    Before anything compiles, each device's rows of ``J`` and the solver must fit its memory (the parameters'
+    shapes from ``jax.eval_shape``); a run that cannot is refused with the bytes it needs and what would fit.
+    """
     system, sampler = SYSTEMS[config.system], make_sampler(config, mesh)
+    shapes = jax.eval_shape(lambda: init(jax.random.key(0), system, *network_sizes(config, mesh)))
+    memory = sv.natural_gradient_memory(config.walkers, shapes, method=config.optimiser,
+                                        devices=mesh.devices.size,
+                                        memory_budget=config.memory_budget)  # fmt: skip
+    memory.check(MEMORY_FIX)  # refused before anything compiles: the bytes it needs, and what would fit
     optimiser = optax.chain(
-        svx.natural_gradient(damping=config.damping, method=config.optimiser,
-                             momentum=config.momentum * (config.optimiser == "spring")),
+        svx.natural_gradient(damping=config.damping, method=config.optimiser, chunks=memory.chunks,
+                             momentum=config.momentum * (config.optimiser == "spring"),
+                             memory_budget=config.memory_budget),
         svx.clip_by_fisher_norm(config.max_norm, config.schedule),
         optax.scale_by_learning_rate(config.schedule),
     )  # fmt: skip
@@ -160,7 +182,8 @@ def make_steps(config: Config, mesh: Any) -> Steps:
         state = State(optax.apply_updates(state.params, updates), opt, walkers)
         return state, step_stats(e_mean, e2_mean, e.n_valid, walkers.acceptance)
 
-    return Steps(lambda p, positions, key: jax.jit(optimiser.init)(p), train)
+    # The optimiser's state on the mesh, as the step returns it (else the step's second call compiles again).
+    return Steps(lambda p, positions, key: sv.replicate(jax.jit(optimiser.init)(p), mesh), train)
 
 
 # --8<-- [end:step]
@@ -168,10 +191,9 @@ def make_steps(config: Config, mesh: Any) -> Steps:
 
 def initial_state(config: Config, mesh: Any, steps: Steps) -> State:
     """Parameters, optimiser state and walkers after ``config.burn_in`` moves at the initial parameters."""
-    system, root = SYSTEMS[config.system], jax.random.key(config.seed)
-    dtype = sv.precision_policy(config.dtype, mesh=mesh).dtype
-    sizes = (config.hidden, config.hidden_two, config.layers, config.determinants, dtype)
+    system, root, sizes = SYSTEMS[config.system], jax.random.key(config.seed), network_sizes(config, mesh)
     params = sv.replicate(jax.jit(lambda key: init(key, system, *sizes))(jax.random.fold_in(root, 10**6)), mesh)
+    dtype = sizes[-1]
     positions = sv.initialize_walkers_sharded(lambda key: init_walker(key, system, dtype), config.walkers, mesh,
                                               key=jax.random.fold_in(root, 0))  # fmt: skip
     sampler = make_sampler(config, mesh)
@@ -193,16 +215,17 @@ def train(config: Config, mesh: Any, *, make: Callable[[Config, Any], Steps] = m
     mesh (a finished run's checkpoint gives its state at once). ``stop_after``: end the training
     there (a checkpoint is saved), to go on later.
     """
-    root = jax.random.key(config.seed)
     with sv.precision_policy(config.dtype, mesh=mesh).context(), sv.use_mesh(mesh):
-        steps = make(config, mesh)
+        steps = make(config, mesh)  # refuses a run whose optimiser cannot fit, before anything compiles
         state = initial_state(config, mesh, steps)
         sv.distributed.check_consistent(state.params)  # every process holds the same parameters
-        # A checkpoint of other settings is refused; the step counts and the batch size may change.
-        settings = dataclasses.asdict(dataclasses.replace(config, steps=0, eval_steps=0, batch_size=None))
+        # A checkpoint of other settings is refused; the step counts, batch size and memory budget may change.
+        settings = dataclasses.asdict(dataclasses.replace(config, steps=0, eval_steps=0, batch_size=None,
+                                                          memory_budget=None))  # fmt: skip
         n = config.steps if stop_after is None else min(config.steps, stop_after)
         lines = sv.driver.PrintLog(print_every) if print_every else None
-        return sv.driver.run(steps.train, state, n, key=jax.random.fold_in(root, 1), out=lines,
+        key = jax.random.fold_in(jax.random.key(config.seed), 1)
+        return sv.driver.run(steps.train, state, n, key=key, out=lines,
                              metadata=settings, checkpoint=checkpoint,
                              checkpoint_every=checkpoint_every)  # fmt: skip
 
@@ -278,7 +301,7 @@ def main(argv: Sequence[str] | None = None, make: Callable[[Any, Any], Steps] = 
          config_class: type = Config, optimisers: Sequence[str] = OPTIMISERS) -> dict[str, Any]:  # fmt: skip
     """Run the example from the command line (the training method ``make``, settings ``config_class``)."""
     choices = {"system": sorted(SYSTEMS), "optimiser": optimisers}
-    args, config = plumbing.parse_args(argv, config_class, __doc__, quick=QUICK, choices=choices)
+    args, config = plumbing.parse_args(argv, config_class, __doc__, quick=QUICK, choices=choices, sizes=SIZES)
     mesh = plumbing.start(args.devices)
     plumbing.announce(mesh, config.dtype)  # the header: devices and precision
     summary = run(config, mesh, make=make, checkpoint=args.checkpoint, checkpoint_every=args.checkpoint_every,

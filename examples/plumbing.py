@@ -24,17 +24,20 @@ def start(devices: int) -> Any:
     return sv.create_mesh(chosen[:devices] if chosen[0].platform == "cpu" and jax.process_count() == 1 else chosen)
 
 
-def parse_args(argv: Sequence[str] | None, config: type, description: str, *, quick: dict[str, Any] | None = None,
-               choices: dict[str, Any] | None = None) -> tuple[argparse.Namespace, Any]:  # fmt: skip
-    """``(args, config)``: an option per field of the dataclass ``config``, ``--quick`` (``quick``'s settings), more."""
+def parse_args(argv: Sequence[str] | None, config: type, description: str, *, quick: dict | None = None,
+               choices: dict | None = None, sizes: dict | None = None) -> tuple[argparse.Namespace, Any]:  # fmt: skip
+    """``(args, config)``: an option per field of the dataclass ``config``, ``--quick`` (``quick``'s settings), more.
+
+    ``--size NAME``: the settings ``sizes[NAME]`` (the network's widths), over ``--quick``'s; the options given win.
+    """
     p = argparse.ArgumentParser(description=description.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    fields = dataclasses.fields(config)
     choices = {"dtype": ("auto", "float32", "float64"), **(choices or {})}
-    for f in fields:
+    for f in dataclasses.fields(config):
         kind = {"int": int, "float": float, "str": str, "int | None": int}[str(f.type)]
         p.add_argument(f"--{f.name.replace('_', '-')}", type=kind, choices=choices.get(f.name),
                        help=f"(default {f.default})")  # fmt: skip
     p.add_argument("--quick", action="store_true", help="a few steps of a small run (a smoke test)")
+    p.add_argument("--size", choices=list(sizes or {}), help="the network's size, a preset (default: the examples')")
     p.add_argument("--float32", dest="dtype", action="store_const", const="float32", help="--dtype float32")
     p.add_argument("--devices", type=int, default=8, help="fake CPU devices (ignored on accelerators, under a launch)")
     p.add_argument("--checkpoint", metavar="DIR", help="checkpoints and the log (log.jsonl); the same command resumes")
@@ -43,8 +46,8 @@ def parse_args(argv: Sequence[str] | None, config: type, description: str, *, qu
     p.add_argument("--json", metavar="PATH", help="write the summary here")
     p.add_argument("--plot", metavar="PNG", help="plot the energy per step (needs matplotlib)")
     args = p.parse_args(argv)
-    given = {f.name: getattr(args, f.name) for f in fields if getattr(args, f.name) is not None}
-    return args, config(**{**((quick or {}) if args.quick else {}), **given})  # the options given win over --quick
+    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(config) if getattr(args, f.name) is not None}
+    return args, config(**{**((quick or {}) if args.quick else {}), **(sizes or {}).get(args.size, {}), **given})
 
 
 def announce(mesh: Any, dtype: str) -> sv.PrecisionPolicy:

@@ -58,7 +58,9 @@ from ._mesh import is_multi_gpu as is_multi_gpu
 from ._mesh import n_devices as n_devices
 from ._mesh import use_mesh as use_mesh
 from ._natgrad import NaturalGradientInfo as NaturalGradientInfo
+from ._natgrad import NaturalGradientMemory as NaturalGradientMemory
 from ._natgrad import natural_gradient as natural_gradient
+from ._natgrad import natural_gradient_memory as natural_gradient_memory
 from ._persistent_cache import enable_compilation_cache as enable_compilation_cache
 from ._placement import assemble_sharded as assemble_sharded
 from ._placement import gather_walkers as gather_walkers
@@ -99,6 +101,7 @@ __all__ = [
     "ExplanationEntry",
     "Mean",
     "NaturalGradientInfo",
+    "NaturalGradientMemory",
     "PaddingWarning",
     "PerWalker",
     "PrecisionPolicy",
@@ -138,6 +141,7 @@ __all__ = [
     "mcmc",
     "n_devices",
     "natural_gradient",
+    "natural_gradient_memory",
     "pad_n_walkers",
     "pad_walker",
     "precision_policy",

@@ -34,13 +34,21 @@ from ._reductions import gram_of_rows, jtv, walker_mean
 from ._stats import local_indices, masked, rmatvec
 from ._walkerset import check_n_valid, split_walker_set, walker_count
 
-__all__ = ["METHODS", "NaturalGradientInfo", "estimate_bytes", "natural_gradient"]
+__all__ = [
+    "METHODS",
+    "NaturalGradientInfo",
+    "NaturalGradientMemory",
+    "estimate_bytes",
+    "natural_gradient",
+    "natural_gradient_memory",
+]
 
 METHODS = ("dense", "minsr", "spring", "cg")
 """The solvers of :func:`natural_gradient` (``"auto"`` picks one of them)."""
 
 _WHERE = "natural_gradient"
 _AUTO_CHUNKS = (1, 4, 16, 64)
+_MAX_DEVICES = 4096  # natural_gradient_memory looks for a device count up to this one
 
 
 @functools.partial(
@@ -384,6 +392,172 @@ def _candidates(method: str, n: int, p: int, rows: int, chunks: int | None) -> l
     out = dense + sample if p <= m else sample + dense
     out.append(("cg", 1, "no direct solver fits the memory budget: matrix-free CG (J never copied across devices)"))
     return out
+
+
+@dataclasses.dataclass(frozen=True)
+class NaturalGradientMemory:
+    """A natural-gradient step's memory per device, estimated before anything compiles.
+
+    What :func:`natural_gradient_memory` returns: one device's rows of the Jacobian as the
+    step computes them (the per-walker ``d log|psi| / d params``) plus the solver's leading
+    terms (:func:`estimate_bytes`, the formulas of ``docs/optimisation.md``), against the
+    device's budget. :meth:`check` refuses a step that does not fit.
+
+    Attributes:
+        method: the solver (``"auto"`` resolved: the first candidate that fits, else the smallest).
+        chunks: minSR/SPRING parameter slices (the fewest of 1, 4, 16, 64 that fit,
+            unless given); pass it on as ``chunks=``.
+        n_walkers: the walkers, padded to a multiple of ``devices``.
+        devices: the devices along the walker axis.
+        n_params: P, the number of parameters.
+        itemsize: bytes per element of J (the parameters' dtype).
+        jacobian_bytes: one device's rows of J: ``n_walkers / devices * P * itemsize``.
+        solver_bytes: the solver's estimate, :func:`estimate_bytes`.
+        budget_bytes: the bytes one device may use.
+        max_walkers_per_device: when it does not fit, the most walkers per device that
+            would on ``devices`` devices (0: not one); ``None`` when it fits.
+        devices_needed: when it does not fit, the fewest devices that would hold the
+            ``n_walkers`` (``None``: none up to 4096, or it fits).
+    """
+
+    method: str
+    chunks: int
+    n_walkers: int
+    devices: int
+    n_params: int
+    itemsize: int
+    jacobian_bytes: int
+    solver_bytes: int
+    budget_bytes: int
+    max_walkers_per_device: int | None = None
+    devices_needed: int | None = None
+
+    @property
+    def total_bytes(self) -> int:
+        """The estimate per device: J's rows plus the solver's."""
+        return self.jacobian_bytes + self.solver_bytes
+
+    @property
+    def fits(self) -> bool:
+        """Whether the estimate is within the budget."""
+        return self.total_bytes <= self.budget_bytes
+
+    def check(self, fix: str = "") -> NaturalGradientMemory:
+        """This plan when it fits; else a ``CallError`` with the bytes it needs and what would fit.
+
+        Args:
+            fix: the caller's own remedies, added to the message's fix (e.g. its options).
+
+        Raises:
+            CallError: when :attr:`fits` is false.
+        """
+        if self.fits:
+            return self
+        per_device = self.n_walkers // self.devices
+        most = self.max_walkers_per_device or 0
+        fixes = [f"at most {most} walkers per device fit: fewer walkers" if most else "not one walker per device fits"]
+        fixes.append(
+            f"{self.devices_needed} devices hold {self.n_walkers} walkers"
+            if self.devices_needed
+            else f"no device count up to {_MAX_DEVICES} holds {self.n_walkers} walkers"
+        )
+        others = _fitting(self.n_walkers, self.n_params, self.devices, self.itemsize, 1, self.budget_bytes,
+                          self.jacobian_bytes)  # fmt: skip
+        fixes += [f"pass {' or '.join(others)}"] if others else []
+        fixes.append("KFAC (sv.kfac.KFAC) keeps per-layer factors, not J" + (f"; {fix}" if fix else ""))
+        raise CallError(
+            message(
+                "natural_gradient_memory",
+                f"{_label(self.method, self.chunks)} needs about {format_bytes(self.total_bytes)} per device, over "
+                f"the budget of {format_bytes(self.budget_bytes)}.",
+                got=f"{self.n_walkers} walkers ({per_device} per device, {self.devices} device(s)) x {self.n_params} "
+                f"parameters of {self.itemsize} bytes: J's rows {format_bytes(self.jacobian_bytes)} + the "
+                f"solver's {format_bytes(self.solver_bytes)} (estimate_bytes)",
+                fix="; ".join(fixes) + ".",
+            )
+        )
+
+
+def natural_gradient_memory(
+    n_walkers: int,
+    params: Any,
+    *,
+    method: str = "auto",
+    devices: int | None = None,
+    chunks: int | None = None,
+    memory_budget: int | None = None,
+) -> NaturalGradientMemory:
+    """A natural-gradient step's memory per device, from the sizes alone: nothing is traced or compiled.
+
+    For a step that computes every walker's row of ``J = d log|psi| / d params`` and
+    solves with :func:`natural_gradient`: one device's rows of J (``n_walkers / devices``
+    x P x the parameters' itemsize) plus the solver's leading terms, :func:`estimate_bytes`.
+    ``natural_gradient`` checks its compiled solver against the budget when it is traced;
+    this answers before the step's first compilation (and for devices you do not have).
+
+    Args:
+        n_walkers: the walkers of a step (padded to a multiple of ``devices``).
+        params: the parameters: a pytree of arrays or ``jax.ShapeDtypeStruct`` (e.g. from
+            ``jax.eval_shape`` of the initialisation, which compiles nothing).
+        method: ``"auto"``, ``"dense"``, ``"minsr"``, ``"spring"`` or ``"cg"``.
+        devices: the devices along the walker axis; default ``jax.device_count()``.
+        chunks: minSR/SPRING parameter slices; ``None``: the fewest of 1, 4, 16, 64 that fit.
+        memory_budget: bytes one device may use; default ``device_memory_budget()`` (the
+            first local device's limit, or on CPU half the host's RAM over the local devices).
+
+    Returns:
+        A :class:`NaturalGradientMemory`; ``.check()`` raises when it does not fit.
+
+    Raises:
+        CallError: an unknown method, or parameters without floating-point leaves.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, shardvmc as sv
+        >>> params = {"w": jax.ShapeDtypeStruct((1000, 700), jnp.float32)}
+        >>> plan = sv.natural_gradient_memory(1024, params, method="minsr", devices=1, memory_budget=12 * 2**30)
+        >>> plan.fits, plan.chunks, plan.jacobian_bytes == 1024 * 700_000 * 4
+        (True, 4, True)
+        >>> small = sv.natural_gradient_memory(1024, params, method="minsr", devices=1, memory_budget=2**30)
+        >>> small.fits, small.max_walkers_per_device, small.devices_needed  # small.check() raises, naming these
+        (False, 125, 9)
+    """
+    _check_options(method, "cholesky", chunks)
+    # The leaves' own dtypes (jnp.result_type would read float64 as float32 outside jax.enable_x64).
+    dtypes = [(x, np.dtype(getattr(x, "dtype", None) or np.result_type(x))) for x in jax.tree_util.tree_leaves(params)]
+    leaves = [(x, dtype) for x, dtype in dtypes if jnp.issubdtype(dtype, jnp.inexact)]
+    if not leaves:
+        raise CallError(message("natural_gradient_memory", "params has no floating-point leaves.",
+                                got=describe(params), fix="pass the parameters or their shapes."))  # fmt: skip
+    p = sum(math.prod(np.shape(x)) for x, _ in leaves)
+    itemsize = max(dtype.itemsize for _, dtype in leaves)
+    d = jax.device_count() if devices is None else int(devices)
+    budget = device_memory_budget() if memory_budget is None else int(memory_budget)
+
+    def plan(per_device: int, d: int) -> tuple[int, int, str, int]:
+        """``(total, solver bytes, method, chunks)`` at ``per_device`` walkers on ``d`` devices."""
+        n, rows = per_device * d, per_device * p * itemsize
+        if method == "auto":
+            options = [(name, c) for name, c, _ in _candidates("auto", n, p, 1, chunks)]
+        else:
+            sweep = method in ("minsr", "spring") and chunks is None
+            options = [(method, c) for c in (_AUTO_CHUNKS if sweep else (chunks or 1,))]
+        costs = [(rows + s, s, name, c) for name, c in options for s in [estimate_bytes(name, n, p, d, itemsize,
+                                                                                       chunks=c)]]  # fmt: skip
+        return next((x for x in costs if x[0] <= budget), min(costs))
+
+    per_device = -(-int(n_walkers) // d)
+    total, solver, name, n_chunks = plan(per_device, d)
+    most = needed = None
+    if total > budget:  # the most walkers per device that fit (the bytes grow with them), the fewest devices
+        low, high = 0, per_device
+        while low < high:
+            mid = (low + high + 1) // 2
+            low, high = (mid, high) if plan(mid, d)[0] <= budget else (low, mid - 1)
+        most = low
+        more = (k for k in range(d + 1, _MAX_DEVICES + 1) if plan(-(-int(n_walkers) // k), k)[0] <= budget)
+        needed = next(more, None)
+    return NaturalGradientMemory(name, n_chunks, per_device * d, d, p, itemsize, total - solver, solver, budget,
+                                 most, needed)  # fmt: skip
 
 
 def natural_gradient(
@@ -748,16 +922,22 @@ def _check_damping(damping: Any, method: str, solver: str) -> None:
         )
 
 
+def _fitting(n: int, p: int, d: int, itemsize: int, rows: int, budget: int, extra: int = 0) -> list[str]:
+    """Each solver's first setting (fewest chunks) whose estimate plus ``extra`` bytes fits ``budget``, as arguments."""
+    fits = []
+    for name in METHODS:
+        for chunks in _AUTO_CHUNKS if name in ("minsr", "spring") else (1,):
+            if extra + estimate_bytes(name, n, p, d, itemsize, rows=rows, chunks=chunks) <= budget:
+                fits.append(f"method={name!r}" + (f", chunks={chunks}" if chunks > 1 else ""))
+                break
+    return fits
+
+
 def _budget_message(
     method: str, tried: list[str], budget: int, n: int, p: int, d: int, itemsize: int, rows: int, mesh: Mesh, J: Any
 ) -> str:
     """The error when no solver fits: what was tried, and a method or chunking that would fit."""
-    fits = []
-    for name in METHODS:
-        for chunks in _AUTO_CHUNKS if name in ("minsr", "spring") else (1,):
-            if estimate_bytes(name, n, p, d, itemsize, rows=rows, chunks=chunks) <= budget:
-                fits.append(f"method={name!r}" + (f", chunks={chunks}" if chunks > 1 else ""))
-                break
+    fits = _fitting(n, p, d, itemsize, rows, budget)
     fix = (
         f"pass {' or '.join(fits)}" if fits else "use more devices (the per-device share of J shrinks as 1/d)"
     ) + ", or raise memory_budget= if the device has more memory."

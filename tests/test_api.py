@@ -22,7 +22,7 @@ PUBLIC = {
     # caches
     "clear_caches",
     # natural gradient
-    "natural_gradient", "NaturalGradientInfo",
+    "natural_gradient", "NaturalGradientInfo", "natural_gradient_memory", "NaturalGradientMemory",
     # Monte Carlo statistics
     "statistics", "Stats", "StatsAccumulator",
     # errors and warnings

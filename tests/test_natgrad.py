@@ -17,7 +17,7 @@ import pytest
 from jaxprs import equations
 
 import shardvmc as sv
-from shardvmc._memory import compiled_memory, device_memory_budget
+from shardvmc._memory import compiled_memory, device_memory_budget, format_bytes
 from shardvmc._natgrad import estimate_bytes
 
 N, N_VALID, P = 15, 13, 20  # 15 walker slots (padded to 15, 16 on 3, 8 devices), 13 real ones; N < P
@@ -199,6 +199,38 @@ def test_over_budget_names_what_fits():
     j, e = rng.normal(size=(64, 1000)).astype(np.float32), rng.normal(size=64).astype(np.float32)
     with pytest.raises(sv.CallError, match=r"(?s)natural_gradient: no solver fits.*method='dense'.*fix:.*method="):
         sv.natural_gradient(j, e, damping=1e-3, method="dense", memory_budget=2**20)
+
+
+def test_memory_plan_of_a_step_is_j_s_rows_plus_the_solver_s_estimate_and_names_what_fits():
+    params = {"w": jax.ShapeDtypeStruct((300, 100), jnp.float32), "b": np.zeros(100)}  # P = 30100, float64 wins
+    p, budget = 30_100, 40 * 2**20
+    plan = sv.natural_gradient_memory(1000, params, method="minsr", devices=3, memory_budget=budget)
+    assert (plan.n_walkers, plan.n_params, plan.itemsize) == (1002, p, 8)  # padded to a multiple of 3
+    assert plan.jacobian_bytes == 334 * p * 8  # one device's rows
+    assert plan.solver_bytes == estimate_bytes("minsr", 1002, p, 3, 8, chunks=plan.chunks)
+    assert plan.total_bytes == plan.jacobian_bytes + plan.solver_bytes and plan.fits == (plan.total_bytes <= budget)
+    assert not plan.fits and plan.chunks == 64  # the fewest chunks that fit, else the smallest
+    # The most walkers per device that fit do, one more does not; the devices named hold the 1000 walkers.
+    most = plan.max_walkers_per_device
+    fits = lambda n, d: sv.natural_gradient_memory(n, params, method="minsr", devices=d, memory_budget=budget).fits  # noqa: E731
+    assert 0 < most < 334 and fits(3 * most, 3) and not fits(3 * (most + 1), 3)
+    assert fits(1000, plan.devices_needed) and not fits(1000, plan.devices_needed - 1)
+    with pytest.raises(sv.CallError) as refused:
+        plan.check("here: --walkers")
+    text = str(refused.value)
+    assert f"minsr (chunks=64) needs about {format_bytes(plan.total_bytes)} per device" in text, text
+    assert f"budget of {format_bytes(budget)}" in text and f"at most {most} walkers per device" in text, text
+    assert f"{plan.devices_needed} devices hold 1002 walkers" in text and "KFAC" in text and "--walkers" in text
+    # minSR's N x N matrix is on every device: more devices do not help, another solver does.
+    wide = sv.natural_gradient_memory(3000, {"w": np.zeros((10, 100))}, method="minsr", devices=3, memory_budget=budget)
+    assert not wide.fits and wide.devices_needed is None
+    with pytest.raises(sv.CallError, match=r"(?s)no device count up to 4096 holds 3000 walkers.*method='cg'"):
+        wide.check()
+    small = sv.natural_gradient_memory(100, params, devices=1, memory_budget=8 * budget)
+    assert small.fits and small.check() is small and small.max_walkers_per_device is None
+    assert (small.method, small.chunks) == ("minsr", 1)  # auto: N < P
+    with pytest.raises(sv.CallError, match="unknown method"):
+        sv.natural_gradient_memory(100, params, method="kfac")
 
 
 def test_info_is_a_pytree_of_two_arrays():

@@ -19,6 +19,7 @@ import pytest
 from optional_imports import import_or_skip
 
 import shardvmc as sv
+from shardvmc._memory import format_bytes
 from shardvmc.testing import cpu_environment
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -268,3 +269,50 @@ def test_a_copied_kfac_run_stops_on_sigterm_and_resumes_on_another_device_count(
     assert re.search(r"^E = -\d\.\d{5} \+- \d\.\d{5} Ha", done.stdout, re.MULTILINE), done.stdout
     log = sv.driver.read_log(folder / "run" / "log.jsonl")
     assert log["step"].tolist() == list(range(60))  # every step once (the steps after the save redone, not doubled)
+
+
+def test_molecules_quick_train_on_the_cpu_mesh_with_every_electron(neural):
+    """``--system N2 --quick`` (14 electrons) and ``--system bicyclobutane --quick`` (30) train on 2 devices.
+
+    The command line's settings, without the burn-in and the evaluation (each its own compilation; the evaluation
+    is the same code for every system, run for Li above): what CI can afford, some 20 s.
+    """
+    mesh = sv.create_mesh(jax.devices()[:2])
+    for name, electrons in (("N2", 14), ("bicyclobutane", 30)):
+        argv = ["--system", name, "--quick", "--steps", "3", "--burn-in", "0", "--eval-steps", "0"]
+        config = neural.plumbing.parse_args(argv, neural.Config, "", quick=neural.QUICK, sizes=neural.SIZES)[1]
+        result = neural.train(config, mesh)
+        walkers = result.state.sampler.walkers
+        assert walkers.n_valid == 64 and walkers.data.r.shape == (64, electrons, 3), (name, walkers.data.r.shape)
+        energies = np.asarray(result.history["energy"])
+        # A tiny network after 3 steps: far above the exact energy, but a molecule's (N2: about -47 Ha, not Li's -7).
+        assert energies.shape == (3,) and np.all(np.isfinite(energies)), (name, energies)
+        assert np.all(energies < 0.25 * neural.SYSTEMS[name].exact_energy), (name, energies)
+
+
+def test_a_run_whose_optimiser_cannot_fit_is_refused_before_anything_compiles(neural):
+    compiles = []
+
+    def on_event(name, seconds, **kwargs):
+        if name == "/jax/core/compile/backend_compile_duration":
+            compiles.append(name)
+
+    argv = ["--system", "N2", "--quick", "--devices", "2", "--memory-budget", "100000", "--optimiser", "spring"]
+    jax.monitoring.register_event_duration_secs_listener(on_event)
+    try:
+        with pytest.raises(sv.CallError) as refused:
+            neural.main(argv)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(on_event)
+    assert compiles == [], f"{len(compiles)} compilations before the refusal"
+    config, mesh = neural.Config(**{**neural.QUICK, "system": "N2"}), sv.create_mesh(jax.devices()[:2])
+    with sv.precision_policy(config.dtype, mesh=mesh).context():  # float64, as the run's
+        sizes = neural.network_sizes(config, mesh)
+        shapes = jax.eval_shape(lambda: neural.init(jax.random.key(0), neural.SYSTEMS["N2"], *sizes))
+    p = sum(x.size for x in jax.tree.leaves(shapes))
+    plan = sv.natural_gradient_memory(64, shapes, method="spring", devices=2, memory_budget=100000)
+    assert plan.jacobian_bytes == 32 * p * 8 and not plan.fits  # 32 walkers per device, float64
+    text = str(refused.value)
+    assert f"needs about {format_bytes(plan.total_bytes)} per device" in text, text
+    assert "budget of 97.66 KiB" in text and f"x {p} parameters" in text, text
+    assert "walkers per device fit" in text and "--walkers" in text and "examples/kfac_vmc.py" in text, text
