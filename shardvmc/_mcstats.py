@@ -540,7 +540,7 @@ class StatsAccumulator:
             block_m2=jnp.repeat(real[:, None], max_blocks, axis=1),
             partial_mean=zeros,
             partial_m2=real,
-            counts=jnp.asarray([0, block_size, 0], jnp.int32),
+            counts=_replicated_like(jnp.asarray([0, block_size, 0], jnp.int32), data),
             n_valid=None if n_valid is None else int(n_valid),
         )
 
@@ -635,3 +635,15 @@ def _update(acc: StatsAccumulator, x: jax.Array) -> StatsAccumulator:
         counts=jnp.stack([k, new_size, jnp.where(stored, 0, partial)]).astype(jnp.int32),
         n_valid=acc.n_valid,
     )
+
+
+def _replicated_like(x: jax.Array, like: Any) -> jax.Array:
+    """``x`` replicated over the mesh of ``like``'s sharding, where it has one.
+
+    A jitted ``update`` returns its counters replicated on the walkers' mesh; counters made on the default device
+    would give the same program another input sharding at the next call, and so a second compilation.
+    """
+    sharding = getattr(like, "sharding", None)
+    if isinstance(like, Tracer) or not isinstance(sharding, jax.sharding.NamedSharding):
+        return x
+    return jax.device_put(x, jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec()))

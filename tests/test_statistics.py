@@ -332,3 +332,14 @@ def test_the_series_is_never_gathered():
     reduced = re.findall(r"= (\(.*?\)|\S+) all-reduce(?:-start)?\(", hlo)
     assert 1 <= len(reduced) <= 2, reduced  # the mean, then every sum of the second pass
     assert "f64[16,64]" not in " ".join(reduced)
+
+
+def test_an_accumulator_of_sharded_values_compiles_its_jitted_update_once():
+    """Its counters start on the walkers' mesh, where the update leaves them: the second call is no new program."""
+    x = sv.shard_walker(jnp.asarray(ar1(16, 3, 0.5, seed=3)))
+    update = jax.jit(lambda acc, v: acc.update(v))
+    acc = sv.StatsAccumulator.create(x[:, 0])
+    for t in range(3):
+        acc = update(acc, x[:, t])
+    assert update._cache_size() == 1
+    assert acc.n_steps == 3
