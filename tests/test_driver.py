@@ -100,7 +100,9 @@ def test_plain_optax_gets_the_energy_gradient():
     new, stats = vmc.step(state, key)
     walkers = vmc.sampler.step(state.params, state.sampler, key).walkers
     r = np.asarray(walkers.data.r)[: walkers.n_valid]
-    e = np.asarray(jax.jit(jax.vmap(lambda x: sv.hamiltonian.kinetic_energy(log_psi, state.params, x) + potential(x)))(r))
+    e = np.asarray(
+        jax.jit(jax.vmap(lambda x: sv.hamiltonian.kinetic_energy(log_psi, state.params, x) + potential(x)))(r)
+    )
     j = jax.vmap(jax.grad(log_psi), in_axes=(None, 0))(state.params, jnp.asarray(r))
     for name in ("a", "b"):
         jn = np.asarray(j[name])
