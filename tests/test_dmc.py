@@ -349,7 +349,11 @@ def test_a_step_key_that_is_not_one_key_is_refused(make_key, got):
         with pytest.raises(sv.CallError, match=r"^shardvmc\.dmc\.DMC\.step: key is not ONE PRNG key") as info:
             step(state, make_key())
         assert f"got:      {shown}\n" in str(info.value) and "jax.random.key(seed)" in str(info.value)
-    # a key passes: typed or raw, the same step
+
+
+def test_a_typed_or_raw_key_takes_the_same_step():
+    dmc = sv.dmc.DMC(helium_log_psi, helium_potential, time_step=0.05)
+    state = dmc.init(jnp.float64(0.3), walkers_of(13, mesh_of(3), 0.7))
     typed = dmc.step(state, jax.random.key(1))[1]["energy"]
     assert float(dmc.step(state, jax.random.PRNGKey(1))[1]["energy"]) == float(typed)
 

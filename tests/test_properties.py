@@ -31,7 +31,7 @@ from padding import as_evaluated
 import shardvmc as sv
 
 PROPERTY_SETTINGS = settings(
-    max_examples=12,  # each example compiles kernels: the suite must fit its time on 2 cores
+    max_examples=8,  # each example compiles kernels: the suite must fit its time on 2 cores
     deadline=None,
     derandomize=True,
     database=None,
