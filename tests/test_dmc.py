@@ -472,6 +472,7 @@ def test_extrapolate_refuses_what_it_cannot_fit(time_steps, energies, match):
     assert "\n  fix:" in str(info.value)
 
 
+@pytest.mark.jax_facing  # dtypes as JAX promotes them: on CI's second leg too (the module is not in JAX_FACING)
 @pytest.mark.parametrize("x64", [True, False])
 def test_mixed_dtypes_give_the_local_energies_of_jax_vmap(x64):
     """float32 walkers with x64 on and a float64 constant in log psi (``jnp.eye``): the walkers' local energies and
