@@ -24,31 +24,12 @@ def pytest_collection_modifyitems(items):
     """Run every docstring example with only the names it imports itself, as a reader's copy runs.
 
     pytest gives a doctest its module's globals; without this, an example that uses ``jax``
-    without importing it passes here and fails where it is copied to. Also marks the tests
-    where the JAX version matters (``jax_facing``, below).
+    without importing it passes here and fails where it is copied to.
     """
     for item in items:
         dtest = getattr(item, "dtest", None)
         if dtest is not None:
             dtest.globs = {"__name__": dtest.globs.get("__name__", "__main__")}
-        if item.path.name in JAX_FACING or dtest is not None:
-            item.add_marker(pytest.mark.jax_facing)
-
-
-# The test modules where the JAX version matters, which CI's second leg (the newest JAX) runs with the package's
-# docstring examples (pytest -m "jax_facing and not end_to_end"): what calls JAX's own APIs (the compatibility
-# layer, the engine under every kernel: jit, shard_map, vmap, meshes and shardings, transforms of kernels; folx and
-# dtypes; the compiler's options and cache; orbax; the distributed runtime) and the errors raised from JAX's. The
-# rest (samplers' and solvers' algorithms, statistics, the driver, DMC, KFAC, the docs, the benchmarks, the
-# examples) is built on those and tested on the first leg; docs/contributing.md.
-JAX_FACING = frozenset(
-    f"test_{name}.py"
-    for name in (
-        "internals", "decorator", "vmap", "engine", "meshes_and_surprises", "future_annotations", "api",
-        "errors", "bad_inputs", "walker_sets", "reductions", "mcmc", "hamiltonian", "linalg", "numerics",
-        "cholesky", "compiler", "compilation_cache", "testing", "model_libraries", "checkpoint", "multiprocess",
-    )
-)  # fmt: skip
 
 
 # --8<-- [end:devices]
