@@ -474,7 +474,9 @@ def test_code_examples_run_on_one_device():
     cpu_environment(env, 1, replace=True)
     # XLA_FLAGS keeps the suite's fast-compile flags (the root conftest.py)
     env["JAX_PLATFORMS"] = "cpu"
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH", "")]))
+    # the suite's import path (pyproject.toml's pythonpath: examples/, tests/), as the pages run in this process
+    paths = [str(ROOT), str(ROOT / "examples"), str(ROOT / "tests"), env.get("PYTHONPATH", "")]
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, paths))
     # run() kills the child when the time is up or anything else goes wrong.
     proc = subprocess.run(
         [sys.executable, __file__, *RUNNABLE],
