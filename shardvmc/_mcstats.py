@@ -40,6 +40,7 @@ from ._caches import bounded
 from ._decorator import walker_parallel
 from ._errors import CallError, message
 from ._markers import PerWalker, Replicated
+from ._placement import replicate
 from ._stats import all_walkers
 from ._walkerset import split_walker_set
 
@@ -646,4 +647,6 @@ def _replicated_like(x: jax.Array, like: Any) -> jax.Array:
     sharding = getattr(like, "sharding", None)
     if isinstance(like, Tracer) or not isinstance(sharding, jax.sharding.NamedSharding):
         return x
-    return jax.device_put(x, jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec()))
+    if not isinstance(sharding.mesh, Mesh):  # an abstract mesh: no devices to place on
+        return x
+    return replicate(x, sharding.mesh)  # (placed as every replicated leaf is, in a job of several processes too)
